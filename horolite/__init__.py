@@ -1,0 +1,31 @@
+"""horolite: Horovod-style data-parallel training runtime (ring allreduce over MPI).
+
+    import horolite as hvd
+    hvd.init()
+    avg = hvd.allreduce(np.ones(4), name="grad")
+
+Importing horolite does not import TensorFlow, CuPy or even MPI: MPI starts at init().
+"""
+from .basics import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
+                     local_size, mpi_threads_supported, rank, shutdown, size)
+from .collectives import (allgather, allgather_async, allreduce, allreduce_async, alltoall,
+                          alltoall_async, barrier, broadcast, broadcast_async, grouped_allreduce,
+                          grouped_allreduce_async, join, poll, reducescatter, reducescatter_async,
+                          synchronize)
+from .errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
+                     NotInitializedError, ShutdownError, StallError, TensorMismatchError)
+from .handle import Handle
+from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
+    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "barrier", "join", "poll", "synchronize", "Handle",
+    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
+    "ShutdownError", "StallError", "NotInitializedError", "__version__",
+]

@@ -1,0 +1,108 @@
+"""Process-level state: init, shutdown and the topology queries."""
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Optional, Sequence, Union
+
+from . import config as config_mod
+from . import log
+from .errors import NotInitializedError
+
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+           "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "runtime"]
+
+_lock = threading.Lock()
+_runtime = None
+_atexit_registered = False
+
+
+def init(comm=None) -> None:
+    """Start horolite on `comm` (an mpi4py communicator or a list of world ranks; default: all).
+
+    Calling it again while initialized does nothing.
+    """
+    global _runtime, _atexit_registered
+    with _lock:
+        if _runtime is not None:
+            return
+        from mpi4py import MPI
+        from .runtime import Runtime
+
+        comm = _communicator(MPI, comm)
+        cfg = config_mod.from_environ()
+        log.configure(cfg.log_level, comm.Get_rank(), comm.Get_size())
+        _runtime = Runtime(comm, cfg)
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def _communicator(MPI, comm):
+    if comm is None:
+        return MPI.COMM_WORLD
+    if isinstance(comm, MPI.Comm):
+        return comm
+    ranks = [int(r) for r in comm]
+    world = MPI.COMM_WORLD
+    if len(set(ranks)) != len(ranks) or any(not 0 <= r < world.Get_size() for r in ranks):
+        raise ValueError(f"init(comm={ranks}): ranks must be distinct and within 0..{world.Get_size() - 1}")
+    if world.Get_rank() not in ranks:
+        raise ValueError(f"init(comm={ranks}): world rank {world.Get_rank()} is not in the list, "
+                         "so it cannot join this horolite job")
+    group = world.Get_group().Incl(ranks)
+    return world.Create_group(group)
+
+
+def shutdown() -> None:
+    """Stop the background thread; pending collectives fail with ShutdownError on every rank."""
+    global _runtime
+    with _lock:
+        rt, _runtime = _runtime, None
+    if rt is not None:
+        rt.shutdown()
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def runtime():
+    rt = _runtime
+    if rt is None:
+        raise NotInitializedError("horolite is not initialized: call horolite.init() first")
+    return rt
+
+
+def rank() -> int:
+    return runtime().topology.rank
+
+
+def size() -> int:
+    return runtime().topology.size
+
+
+def local_rank() -> int:
+    return runtime().topology.local_rank
+
+
+def local_size() -> int:
+    return runtime().topology.local_size
+
+
+def cross_rank() -> int:
+    return runtime().topology.cross_rank
+
+
+def cross_size() -> int:
+    return runtime().topology.cross_size
+
+
+def is_homogeneous() -> bool:
+    return runtime().topology.is_homogeneous
+
+
+def mpi_threads_supported() -> bool:
+    runtime()
+    from mpi4py import MPI
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE

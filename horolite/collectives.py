@@ -1,0 +1,205 @@
+"""The NumPy collectives, with Horovod's names and semantics.
+
+Each call checks its arguments here, on the caller's thread, builds a request
+and hands it to the queue; the `_async` forms return the handle at once.
+Results are new arrays: inputs are never written.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from .basics import runtime
+from .errors import InvalidCollectiveError
+from .handle import Handle
+from .messages import Kind, Request
+from .ops import MOVABLE_DTYPES, REDUCIBLE_DTYPES, Average, ReduceOp, dtype_name
+from .tensor_queue import Entry
+
+__all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+           "allgather", "allgather_async", "broadcast", "broadcast_async",
+           "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+           "barrier", "join", "poll", "synchronize"]
+
+_name_lock = threading.Lock()
+_counters = {}
+
+
+def _auto_name(kind: str) -> str:
+    """Deterministic names: ranks calling collectives in the same order agree."""
+    with _name_lock:
+        counter = _counters.setdefault(kind, itertools.count())
+        return f"{kind}.noname.{next(counter)}"
+
+
+def _as_array(array, name: str, kind: Kind) -> np.ndarray:
+    arr = np.ascontiguousarray(array)
+    dname = dtype_name(arr.dtype)
+    allowed = REDUCIBLE_DTYPES if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER) else MOVABLE_DTYPES
+    if dname not in allowed:
+        raise InvalidCollectiveError(
+            f"tensor '{name}': dtype {dname} is not supported by {kind.label}; "
+            f"supported: {', '.join(allowed)}")
+    return arr
+
+
+def _reduce_op(op, name: str) -> ReduceOp:
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise InvalidCollectiveError(f"tensor '{name}': unknown reduce op {op!r}") from None
+    if op == ReduceOp.ADASUM:
+        raise InvalidCollectiveError(f"tensor '{name}': Adasum is not supported by horolite")
+    return op
+
+
+def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, splits=None,
+            **fields) -> Handle:
+    rt = runtime()
+    if array is not None:
+        fields.setdefault("dtype", dtype_name(array.dtype))
+        fields.setdefault("shape", tuple(array.shape))
+    request = Request(name=name, kind=kind, **{"dtype": "", "shape": (), **fields})
+    entry = Entry(request=request, array=array, handle=Handle(name, transform), splits=splits)
+    return rt.submit(entry)
+
+
+def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0) -> Handle:
+    name = name or _auto_name("allreduce")
+    op = _reduce_op(op, name)
+    arr = _as_array(array, name, Kind.ALLREDUCE)
+    return _submit(Kind.ALLREDUCE, arr, name, op=int(op), prescale=float(prescale_factor),
+                   postscale=float(postscale_factor))
+
+
+def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce `array` over all ranks (Average by default); returns a new array."""
+    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor))
+
+
+def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """One handle for several allreduces, submitted together so they fuse together."""
+    base = name or _auto_name("grouped_allreduce")
+    children = [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor)
+                for i, a in enumerate(arrays)]
+    group = Handle(base)
+    if not children:
+        group._set_result([])
+        return group
+    remaining = [len(children)]
+    lock = threading.Lock()
+
+    def child_done(_):
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [c.exception() for c in children if c.exception() is not None]
+        if errors:
+            group._set_exception(errors[0])
+        else:
+            group._set_result([c.result() for c in children])
+
+    for child in children:
+        child.add_done_callback(child_done)
+    return group
+
+
+def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[np.ndarray]:
+    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor))
+
+
+def allgather_async(array, name: Optional[str] = None) -> Handle:
+    name = name or _auto_name("allgather")
+    arr = _as_array(array, name, Kind.ALLGATHER)
+    if arr.ndim == 0:
+        raise InvalidCollectiveError(f"tensor '{name}': allgather needs at least one dimension, got a scalar")
+    return _submit(Kind.ALLGATHER, arr, name)
+
+
+def allgather(array, name: Optional[str] = None) -> np.ndarray:
+    """Concatenate every rank's array along the first dimension (which may differ per rank)."""
+    return synchronize(allgather_async(array, name))
+
+
+def broadcast_async(array, root_rank: int, name: Optional[str] = None) -> Handle:
+    name = name or _auto_name("broadcast")
+    arr = _as_array(array, name, Kind.BROADCAST)
+    return _submit(Kind.BROADCAST, arr, name, root=int(root_rank))
+
+
+def broadcast(array, root_rank: int, name: Optional[str] = None) -> np.ndarray:
+    """Every rank gets root_rank's array."""
+    return synchronize(broadcast_async(array, root_rank, name))
+
+
+def alltoall_async(array, splits=None, name: Optional[str] = None) -> Handle:
+    name = name or _auto_name("alltoall")
+    arr = _as_array(array, name, Kind.ALLTOALL)
+    n = runtime().size
+    if arr.ndim == 0:
+        raise InvalidCollectiveError(f"tensor '{name}': alltoall needs at least one dimension, got a scalar")
+    if splits is None:
+        if arr.shape[0] % n:
+            raise InvalidCollectiveError(
+                f"tensor '{name}': first dimension {arr.shape[0]} is not divisible by {n} ranks; "
+                "pass splits to send uneven parts")
+        rows = np.full(n, arr.shape[0] // n, dtype=np.int64)
+        transform = lambda result: result[0]
+    else:
+        rows = np.asarray(splits, dtype=np.int64).reshape(-1)
+        if rows.size != n or (rows < 0).any() or int(rows.sum()) != arr.shape[0]:
+            raise InvalidCollectiveError(
+                f"tensor '{name}': splits {rows.tolist()} must have {n} non-negative entries "
+                f"summing to the first dimension {arr.shape[0]}")
+        transform = None
+    return _submit(Kind.ALLTOALL, arr, name, transform=transform, splits=rows)
+
+
+def alltoall(array, splits=None, name: Optional[str] = None):
+    """Send splits[i] rows to rank i; returns the rows received, and their splits when splits are given."""
+    return synchronize(alltoall_async(array, splits, name))
+
+
+def reducescatter_async(array, op=Average, name: Optional[str] = None) -> Handle:
+    name = name or _auto_name("reducescatter")
+    op = _reduce_op(op, name)
+    arr = _as_array(array, name, Kind.REDUCESCATTER)
+    if arr.ndim == 0:
+        raise InvalidCollectiveError(f"tensor '{name}': reducescatter needs at least one dimension, got a scalar")
+    return _submit(Kind.REDUCESCATTER, arr, name, op=int(op))
+
+
+def reducescatter(array, op=Average, name: Optional[str] = None) -> np.ndarray:
+    """Reduce over ranks, then rank r keeps the r-th part of the first dimension."""
+    return synchronize(reducescatter_async(array, op, name))
+
+
+def barrier() -> None:
+    """Return once every rank has called barrier()."""
+    synchronize(_submit(Kind.BARRIER, None, _auto_name("barrier")))
+
+
+def join() -> int:
+    """Wait for every rank to join; until then this rank adds zeros to others' allreduces.
+
+    Returns the rank that joined last.
+    """
+    return synchronize(_submit(Kind.JOIN, None, "join"))
+
+
+def poll(handle: Handle) -> bool:
+    """True once the collective behind `handle` has completed."""
+    return handle.done()
+
+
+def synchronize(handle: Handle):
+    """Wait for the collective and return its result (or raise its error)."""
+    return handle.result()

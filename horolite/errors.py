@@ -1,0 +1,33 @@
+"""Exceptions the runtime raises; every one names the tensor it concerns."""
+from __future__ import annotations
+
+__all__ = ["HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
+           "ShutdownError", "StallError", "NotInitializedError"]
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed. Same name as Horovod's so `except` clauses carry over."""
+
+
+class TensorMismatchError(HorovodInternalError, ValueError):
+    """Ranks submitted the same tensor name with different parameters."""
+
+
+class InvalidCollectiveError(HorovodInternalError, ValueError):
+    """A collective's arguments are wrong on their own (bad root, unsupported dtype...)."""
+
+
+class DuplicateNameError(HorovodInternalError, ValueError):
+    """A tensor name was submitted again while the first one is in flight."""
+
+
+class ShutdownError(HorovodInternalError):
+    """The runtime shut down before this collective completed."""
+
+
+class StallError(ShutdownError):
+    """The stall inspector shut the job down because some ranks never submitted a tensor."""
+
+
+class NotInitializedError(ValueError):
+    """A collective was called before `horolite.init()` (or after `shutdown()`)."""

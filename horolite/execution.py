@@ -1,0 +1,193 @@
+"""Runs the agreed responses: fuse, call the transport, complete the handles.
+
+Every rank calls `run` with the same response list, so every rank makes the
+same transport calls in the same order.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from functools import lru_cache
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from . import kernels
+from .errors import HorovodInternalError, InvalidCollectiveError, TensorMismatchError
+from .fusion import FusionBuffer, plan_batches
+from .messages import Kind, Response
+from .ops import ReduceOp, dtype_from_name
+from .ring import row_bounds
+from .tensor_queue import Entry, TensorQueue
+
+__all__ = ["Executor"]
+
+_log = logging.getLogger("horolite.execution")
+
+
+@lru_cache(maxsize=None)
+def _dtype(name: str) -> np.dtype:
+    return dtype_from_name(name)
+
+
+def _nbytes(resp: Response) -> int:
+    return int(np.prod(resp.shape, dtype=np.int64)) * _dtype(resp.dtype).itemsize
+
+
+def _error_for(resp: Response) -> HorovodInternalError:
+    cls = TensorMismatchError if resp.error_type == "mismatch" else InvalidCollectiveError
+    return cls(resp.error)
+
+
+class Executor:
+    def __init__(self, transport, queue: TensorQueue, fusion_threshold: int, timeline):
+        self.transport = transport
+        self.queue = queue
+        self.rank = transport.rank
+        self.size = transport.size
+        self.fusion_threshold = fusion_threshold
+        self.fusion = FusionBuffer(fusion_threshold)
+        self.timeline = timeline
+
+    # ---- entry points ----
+    def run(self, responses: Sequence[Response], entries: Sequence[Optional[Entry]]) -> None:
+        by_name = {resp.name: entry for resp, entry in zip(responses, entries)}
+        for batch in plan_batches(responses, _nbytes, self.fusion_threshold):
+            batch_entries = [by_name[r.name] for r in batch]
+            first = batch[0]
+            try:
+                if first.error is not None:
+                    self._complete(first, batch_entries[0], error=_error_for(first))
+                elif first.kind == Kind.ALLREDUCE:
+                    self._allreduce(batch, batch_entries)
+                elif first.kind == Kind.ALLGATHER:
+                    self._allgather(first, batch_entries[0])
+                elif first.kind == Kind.BROADCAST:
+                    self._broadcast(first, batch_entries[0])
+                elif first.kind == Kind.ALLTOALL:
+                    self._alltoall(first, batch_entries[0])
+                elif first.kind == Kind.REDUCESCATTER:
+                    self._reducescatter(first, batch_entries[0])
+                elif first.kind == Kind.BARRIER:
+                    self._complete(first, batch_entries[0], None)
+                elif first.kind == Kind.JOIN:
+                    self._complete(first, batch_entries[0], first.last_joined)
+                else:
+                    raise HorovodInternalError(f"unknown collective {first.kind!r}")
+            except HorovodInternalError as e:
+                for resp, entry in zip(batch, batch_entries):
+                    self._complete(resp, entry, error=e)
+
+    # ---- completion ----
+    def _complete(self, resp: Response, entry: Optional[Entry], value=None, error=None) -> None:
+        if entry is None:  # a joined rank's zero contribution: nobody waits for it
+            return
+        self.queue.finish(resp.name)
+        if error is not None:
+            entry.handle._set_exception(error)
+        else:
+            entry.handle._set_result(value)
+
+    def _span(self, names: List[str], phase: str, start: float, end: float) -> None:
+        if self.timeline.enabled:
+            for name in names:
+                self.timeline.span(name, phase, start, end)
+
+    def _queue_spans(self, batch: Sequence[Response], entries: Sequence[Optional[Entry]]) -> float:
+        now = time.monotonic()
+        if self.timeline.enabled:
+            for resp, entry in zip(batch, entries):
+                if entry is not None:
+                    self.timeline.span(resp.name, "QUEUE", entry.responded, now)
+        return now
+
+    def _input(self, resp: Response, entry: Optional[Entry]) -> np.ndarray:
+        if entry is not None:
+            return entry.array
+        return np.zeros(resp.shape, dtype=_dtype(resp.dtype))
+
+    # ---- collectives ----
+    def _allreduce(self, batch: List[Response], entries: List[Optional[Entry]]) -> None:
+        first = batch[0]
+        op = ReduceOp(first.op)
+        postscale = first.postscale / self.size if op == ReduceOp.AVERAGE else first.postscale
+        names = [r.name for r in batch]
+        inputs = [self._input(r, e) for r, e in zip(batch, entries)]
+        outputs = [np.empty(a.shape, dtype=a.dtype) for a in inputs]
+        start = self._queue_spans(batch, entries)
+        if len(batch) == 1:
+            flat = outputs[0].reshape(-1)
+            kernels.pack(flat.view(np.uint8), inputs, first.prescale)
+            t1 = time.monotonic()
+            self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
+            self.transport.allreduce(flat, op, postscale)
+            self._span(names, "ALLREDUCE", t1, time.monotonic())
+        else:
+            total = sum(a.nbytes for a in inputs)
+            buf = self.fusion.get(total)
+            kernels.pack(buf, inputs, first.prescale)
+            t1 = time.monotonic()
+            self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
+            self.transport.allreduce(buf.view(inputs[0].dtype), op, postscale)
+            t2 = time.monotonic()
+            self._span(names, "ALLREDUCE", t1, t2)
+            kernels.unpack(buf, outputs)
+            self._span(names, "MEMCPY_OUT_FUSION_BUFFER", t2, time.monotonic())
+        for resp, entry, out in zip(batch, entries, outputs):
+            self._complete(resp, entry, out)
+
+    def _allgather(self, resp: Response, entry: Entry) -> None:
+        start = self._queue_spans([resp], [entry])
+        array = entry.array
+        row_bytes = int(np.prod(resp.shape[1:], dtype=np.int64)) * array.itemsize
+        dims = resp.first_dims
+        out = np.empty((sum(dims),) + tuple(resp.shape[1:]), dtype=array.dtype)
+        out_bytes = out.reshape(-1).view(np.uint8)
+        bounds = [0]
+        for d in dims:
+            bounds.append(bounds[-1] + d * row_bytes)
+        out_bytes[bounds[self.rank]:bounds[self.rank + 1]] = array.reshape(-1).view(np.uint8)
+        self.transport.allgather(out_bytes, bounds)
+        self._span([resp.name], "ALLGATHER", start, time.monotonic())
+        self._complete(resp, entry, out)
+
+    def _broadcast(self, resp: Response, entry: Entry) -> None:
+        start = self._queue_spans([resp], [entry])
+        if self.rank == resp.root:
+            out = entry.array.copy()
+        else:
+            out = np.empty(entry.array.shape, dtype=entry.array.dtype)
+        self.transport.broadcast(out.reshape(-1).view(np.uint8), resp.root)
+        self._span([resp.name], "BROADCAST", start, time.monotonic())
+        self._complete(resp, entry, out)
+
+    def _alltoall(self, resp: Response, entry: Entry) -> None:
+        start = self._queue_spans([resp], [entry])
+        array = entry.array
+        row_shape = tuple(array.shape[1:])
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * array.itemsize
+        recv, recv_rows = self.transport.alltoall(array.reshape(-1).view(np.uint8),
+                                                  entry.splits, row_bytes)
+        out = recv.view(array.dtype).reshape((int(recv_rows.sum()),) + row_shape)
+        self._span([resp.name], "ALLTOALL", start, time.monotonic())
+        self._complete(resp, entry, (out, recv_rows))
+
+    def _reducescatter(self, resp: Response, entry: Entry) -> None:
+        start = self._queue_spans([resp], [entry])
+        array = entry.array
+        op = ReduceOp(resp.op)
+        postscale = resp.postscale / self.size if op == ReduceOp.AVERAGE else resp.postscale
+        work = np.empty(array.size, dtype=array.dtype)
+        kernels.pack(work.view(np.uint8), [array], resp.prescale)
+        rows = array.shape[0] if array.ndim else 1
+        row_elems = int(np.prod(array.shape[1:], dtype=np.int64)) if array.ndim else 1
+        bounds = row_bounds(rows, row_elems, self.size)
+        self.transport.reducescatter(work, bounds, op, postscale)
+        mine = work[bounds[self.rank]:bounds[self.rank + 1]]
+        my_rows = (bounds[self.rank + 1] - bounds[self.rank]) // row_elems if row_elems else 0
+        if row_elems == 0:
+            base, extra = divmod(rows, self.size)
+            my_rows = base + (1 if self.rank < extra else 0)
+        out = mine.copy().reshape((my_rows,) + tuple(array.shape[1:]))
+        self._span([resp.name], "REDUCESCATTER", start, time.monotonic())
+        self._complete(resp, entry, out)

@@ -1,0 +1,76 @@
+"""What ranks tell the coordinator (Request) and what it answers (Response).
+
+Both are small and travel pickled on the control path only; tensor data never
+goes through them.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+__all__ = ["Kind", "Request", "Response"]
+
+
+class Kind(enum.IntEnum):
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    JOIN = 3
+    ALLTOALL = 5
+    BARRIER = 6
+    REDUCESCATTER = 7
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One rank's description of a tensor it submitted."""
+    name: str
+    kind: Kind
+    dtype: str
+    shape: Tuple[int, ...]
+    op: int = 0
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    device: str = "cpu"
+
+    def signature(self) -> tuple:
+        """Everything but the name: equal signatures mean a cached response still fits."""
+        return (self.kind, self.dtype, self.shape, self.op, self.root,
+                self.prescale, self.postscale, self.device)
+
+
+@dataclass
+class Response:
+    """The coordinator's decision for one tensor, identical on every rank."""
+    kind: Kind
+    name: str
+    dtype: str = ""
+    shape: Tuple[int, ...] = ()
+    op: int = 0
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    device: str = "cpu"
+    # Allgather: every rank's first dimension, in rank order.
+    first_dims: Optional[Tuple[int, ...]] = None
+    # Ranks that had joined when this tensor was decided (they contribute zeros).
+    joined: Tuple[int, ...] = ()
+    # Set when the ranks disagree: the message every rank raises.
+    error: Optional[str] = None
+    error_type: str = "mismatch"
+    # JOIN: the last rank that joined.
+    last_joined: int = -1
+    # Response-cache slot the tensor was answered from (-1: negotiated in full).
+    cache_slot: int = field(default=-1, compare=False)
+
+    @classmethod
+    def from_request(cls, req: Request, **extra) -> "Response":
+        return cls(kind=req.kind, name=req.name, dtype=req.dtype, shape=req.shape, op=req.op,
+                   root=req.root, prescale=req.prescale, postscale=req.postscale,
+                   device=req.device, **extra)

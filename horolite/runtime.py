@@ -1,0 +1,285 @@
+"""The runtime: topology at init, the background thread and its cycle, shutdown.
+
+Each cycle every rank contributes one small vector to a bitwise-OR allreduce:
+flag bits, the complement of the response-cache slots it has ready (so the OR
+of complements is the complement of "ready everywhere") and the cache slots it
+wants invalidated. Only when some rank has uncached work, has joined, or rank 0
+must speak does the cycle also gather requests to rank 0 and broadcast its
+responses. The background thread is the only thread that calls MPI after init.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Dict, List, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from . import config as config_mod
+from .errors import HorovodInternalError, ShutdownError, StallError
+from .execution import Executor
+from .messages import Kind, Response
+from .negotiation import Coordinator, format_ranks
+from .response_cache import HIT, INVALID, ResponseCache
+from .stall import StallInspector
+from .tensor_queue import Entry, TensorQueue
+from .timeline import open_timeline
+from .transport.mpi import MPITransport, oversubscribed
+
+__all__ = ["Runtime", "Topology"]
+
+_log = logging.getLogger("horolite")
+
+# Flag bits in word 0 of the control vector.
+HAS_UNSENT = 1
+SHUTDOWN = 2
+JOINED = 4
+COORDINATOR = 8
+
+# A tensor waiting on cache bits this long falls back to full negotiation, so
+# rank 0 can see it (and report it if it stalls).
+CACHE_DEMOTE_SECONDS = 1.0
+
+
+class Topology:
+    """rank/size of the job, of this host and across hosts."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = local.Get_rank()
+        self.local_size = local.Get_size()
+        cross = comm.Split(color=self.local_rank, key=self.rank)
+        self.cross_rank = cross.Get_rank()
+        self.cross_size = cross.Get_size()
+        local_sizes = comm.allgather(self.local_size)
+        self.is_homogeneous = len(set(local_sizes)) == 1
+        self.hostname = MPI.Get_processor_name()
+        local.Free()
+        cross.Free()
+
+
+class Runtime:
+    def __init__(self, comm: MPI.Comm, cfg: config_mod.Config):
+        self.config = cfg
+        self.comm = comm
+        self.topology = Topology(comm)
+        self.rank = self.topology.rank
+        self.size = self.topology.size
+        polite = oversubscribed(self.topology.local_size)
+        self.transport = MPITransport(comm, polite=polite)
+        self.queue = TensorQueue()
+        self.cache = ResponseCache(cfg.cache_capacity)
+        self.timeline = open_timeline(cfg.timeline, self.rank)
+        self.executor = Executor(self.transport, self.queue, cfg.fusion_threshold, self.timeline)
+        self.coordinator = Coordinator(self.size) if self.rank == 0 else None
+        self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds)
+                      if self.rank == 0 and not cfg.stall_check_disable else None)
+        words = (cfg.cache_capacity + 63) // 64
+        self._words = words
+        self._vector = np.zeros(1 + 2 * words, dtype=np.uint64)
+        self._reduced = np.zeros_like(self._vector)
+        self._unsent: List[Entry] = []
+        self._waiting: Dict[int, Entry] = {}  # cache slot -> entry waiting for all ranks
+        self._invalid: set = set()
+        self._joined = False
+        self._shutdown_requested = threading.Event()
+        self._fatal: Optional[BaseException] = None
+        self._demote_after = min(CACHE_DEMOTE_SECONDS, cfg.stall_check_time_seconds / 2)
+        _log.info("horolite runtime up: rank %d of %d on %s (local %d/%d)%s", self.rank,
+                  self.size, self.topology.hostname, self.topology.local_rank,
+                  self.topology.local_size, ", polling politely (oversubscribed)" if polite else "")
+        self._thread = threading.Thread(target=self._loop, name=f"horolite-background-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- caller side ----
+    def submit(self, entry: Entry):
+        return self.queue.submit(entry)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Ask every rank to stop; fail what is pending; never hang."""
+        self._shutdown_requested.set()
+        self.queue.wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                _log.warning("rank %d: background thread did not stop within %.0f s "
+                             "(another rank may have died); giving up on it", self.rank, timeout)
+                self._fail_pending(ShutdownError("horolite was shut down before this collective completed"))
+        self.timeline.close()
+
+    # ---- background thread ----
+    def _loop(self) -> None:
+        cycle = self.config.cycle_time_ms / 1000.0
+        try:
+            while True:
+                start = time.monotonic()
+                if not self._cycle():
+                    break
+                remaining = cycle - (time.monotonic() - start)
+                if remaining > 0 and not self._unsent and not self._waiting:
+                    # Idle: start the next cycle as soon as work arrives.
+                    self.queue.wake.wait(remaining)
+                elif remaining > 0:
+                    time.sleep(remaining)
+        except BaseException as e:  # a bug: report it everywhere rather than hang the job
+            _log.exception("rank %d: background thread failed", self.rank)
+            self._fail_pending(HorovodInternalError(f"horolite background thread failed on rank "
+                                                    f"{self.rank}: {e!r}"))
+            MPI.COMM_WORLD.Abort(1)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        self._fatal = self._fatal or error
+        pending = self.queue.close(error)
+        for entry in pending:
+            exc = type(error)(f"tensor '{entry.request.name}': {error}")
+            entry.handle._set_exception(exc)
+        self._unsent.clear()
+        self._waiting.clear()
+
+    def _cycle(self) -> bool:
+        """One negotiate-fuse-execute round; False when the runtime must stop."""
+        now = time.monotonic()
+        if self.config.timeline_mark_cycles:
+            self.timeline.instant("CYCLE_START")
+        for entry in self.queue.take_new():
+            req = entry.request
+            if req.kind == Kind.JOIN:
+                self._joined = True
+                self._unsent.append(entry)
+                continue
+            status, slot = self.cache.lookup(req) if self.cache.capacity else ("miss", -1)
+            if status == HIT and slot not in self._waiting:
+                self._waiting[slot] = entry
+            else:
+                if status == INVALID:
+                    self._invalid.add(slot)
+                self._unsent.append(entry)
+        for slot, entry in list(self._waiting.items()):
+            if now - entry.submitted > self._demote_after:
+                self._invalid.add(slot)
+                self._unsent.append(self._waiting.pop(slot))
+
+        flags = 0
+        if self._unsent:
+            flags |= HAS_UNSENT
+        if self._shutdown_requested.is_set():
+            flags |= SHUTDOWN
+        if self._joined:
+            flags |= JOINED
+        stall_message = None
+        if self.stall is not None:
+            stall_message = self.stall.check(self.coordinator, now, self.rank)
+            if stall_message:
+                flags |= COORDINATOR
+
+        vec = self._vector
+        vec[:] = 0
+        vec[0] = flags
+        if self._words:
+            ready = vec[1:1 + self._words]
+            ready[:] = np.uint64(0xFFFFFFFFFFFFFFFF)
+            for slot in self._waiting:
+                ready[slot >> 6] &= ~np.uint64(1 << (slot & 63))
+            invalid = vec[1 + self._words:]
+            for slot in self._invalid:
+                invalid[slot >> 6] |= np.uint64(1 << (slot & 63))
+        self._invalid.clear()
+        self.transport.control_or(vec, self._reduced)
+        out = self._reduced
+        global_flags = int(out[0])
+
+        if global_flags & SHUTDOWN:
+            self._fail_pending(ShutdownError("horolite was shut down (shutdown() was called on a "
+                                             "rank) before this collective completed"))
+            return False
+
+        responses: List[Response] = []
+        entries: List[Optional[Entry]] = []
+        invalid_slots: List[int] = []
+        if self._words:
+            invalid_slots = _bits(out[1 + self._words:])
+            for slot in invalid_slots:
+                entry = self._waiting.pop(slot, None)
+                if entry is not None:
+                    self._unsent.append(entry)
+                self.cache.erase(slot)
+            ready_slots = _bits(~out[1:1 + self._words])
+            for slot in ready_slots:
+                if slot in invalid_slots:
+                    continue
+                cached = self.cache.response(slot)
+                entry = self._waiting.pop(slot)
+                entry.responded = now
+                self.timeline.span(cached.name, "NEGOTIATE", entry.submitted, now, {"cached": True})
+                self.cache.touch(slot)
+                responses.append(cached)
+                entries.append(entry)
+
+        if global_flags & JOINED:
+            # A joined rank sets no cache bits: everything goes through rank 0 until all join.
+            self._unsent.extend(self._waiting.values())
+            self._waiting.clear()
+
+        shutdown_message = None
+        # Every rank takes this branch or none: it depends only on reduced values.
+        if global_flags & (HAS_UNSENT | JOINED | COORDINATOR) or invalid_slots:
+            negotiated, shutdown_message = self._negotiate(stall_message)
+            done = time.monotonic()
+            for resp in negotiated:
+                entry = self.queue.get(resp.name) if resp.kind != Kind.JOIN else self._join_entry()
+                if resp.kind == Kind.JOIN:
+                    self._joined = False
+                if entry is not None:
+                    entry.responded = done
+                    self.timeline.span(resp.name, "NEGOTIATE", entry.submitted, done)
+                    if self.cache.cacheable(resp):
+                        evicted_slot = self.cache.put(entry.request, resp)
+                        if evicted_slot is not None:
+                            self._demote(evicted_slot)
+                responses.append(resp)
+                entries.append(entry)
+
+        if responses:
+            self.executor.run(responses, entries)
+        if shutdown_message:
+            self._fail_pending(StallError(shutdown_message))
+            return False
+        return True
+
+    def _join_entry(self) -> Optional[Entry]:
+        return self.queue.get("join")
+
+    def _demote(self, slot: int) -> None:
+        entry = self._waiting.pop(slot, None)
+        if entry is not None:
+            self._unsent.append(entry)
+
+    def _negotiate(self, stall_message: Optional[str]):
+        """Gather unsent requests at rank 0; broadcast its ordered responses."""
+        mine = [e.request for e in self._unsent]
+        self._unsent = []
+        gathered = self.transport.gather_objects(mine)
+        payload = None
+        if self.rank == 0:
+            now = time.monotonic()
+            for rank, requests in enumerate(gathered):
+                self.coordinator.add(rank, requests, now)
+            payload = (self.coordinator.responses(), stall_message)
+        return self.transport.bcast_object(payload)
+
+
+def _bits(words: np.ndarray) -> List[int]:
+    """Indices of the set bits of a uint64 array, ascending."""
+    out = []
+    for w, word in enumerate(words.tolist()):
+        while word:
+            low = word & -word
+            out.append(w * 64 + low.bit_length() - 1)
+            word ^= low
+    return out

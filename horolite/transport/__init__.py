@@ -1,0 +1,1 @@
+"""Transports move tensor bytes between ranks: MPI for host memory, NCCL for GPU memory."""

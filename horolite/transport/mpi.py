@@ -1,0 +1,151 @@
+"""The MPI transport: point-to-point links for the ring, plus the control plane.
+
+Only the background thread calls these. When ranks outnumber cores, a rank
+that blocks inside MPI spins and steals the core its neighbour needs, so in
+that case waits poll and yield instead of blocking.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from typing import List, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from ..ring import Ring
+
+__all__ = ["PointToPoint", "MPITransport", "oversubscribed"]
+
+_DATA_TAG = 7
+
+
+def oversubscribed(local_size: int) -> bool:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return local_size > cores
+
+
+class Waiter:
+    """Waits on MPI requests, blocking in C or polling with yields."""
+
+    def __init__(self, polite: bool):
+        self.polite = polite
+
+    def wait(self, req: MPI.Request) -> None:
+        if not self.polite:
+            req.Wait()
+            return
+        spins = 0
+        while not req.Test():
+            spins += 1
+            if spins > 32:
+                time.sleep(0 if spins < 2000 else 5e-5)
+
+    def wait_all(self, reqs: Sequence[MPI.Request]) -> None:
+        if not reqs:
+            return
+        if not self.polite:
+            MPI.Request.Waitall(reqs)
+            return
+        spins = 0
+        while not MPI.Request.Testall(reqs):
+            spins += 1
+            if spins > 32:
+                time.sleep(0 if spins < 2000 else 5e-5)
+
+
+class PointToPoint:
+    """Messages to the right neighbour and from the left one, on a private communicator."""
+
+    def __init__(self, comm: MPI.Comm, waiter: Waiter):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.right = (self.rank + 1) % self.size
+        self.left = (self.rank - 1) % self.size
+        self._waiter = waiter
+
+    def isend(self, buf: np.ndarray, dest: int = -1) -> MPI.Request:
+        return self.comm.Isend(buf, self.right if dest < 0 else dest, _DATA_TAG)
+
+    def irecv(self, buf: np.ndarray, source: int = -1) -> MPI.Request:
+        return self.comm.Irecv(buf, self.left if source < 0 else source, _DATA_TAG)
+
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, dest: int = -1, source: int = -1) -> None:
+        reqs = [self.irecv(recv, source), self.isend(send, dest)]
+        self._waiter.wait_all(reqs)
+
+    def wait(self, req) -> None:
+        self._waiter.wait(req)
+
+    def wait_all(self, reqs) -> None:
+        self._waiter.wait_all(reqs)
+
+
+class MPITransport:
+    """Host-memory collectives: the ring for reductions and gathers, MPI for the rest."""
+
+    device = "cpu"
+
+    def __init__(self, comm: MPI.Comm, polite: bool):
+        self.waiter = Waiter(polite)
+        self.data_comm = comm.Dup()
+        self.control_comm = comm.Dup()
+        self.link = PointToPoint(self.data_comm, self.waiter)
+        self.ring = Ring(self.link)
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+
+    # ---- control plane (small, host-side) ----
+    def control_or(self, vector: np.ndarray, out: np.ndarray) -> None:
+        req = self.control_comm.Iallreduce(vector, out, op=MPI.BOR)
+        self.waiter.wait(req)
+
+    def gather_objects(self, obj, root: int = 0):
+        return self.control_comm.gather(obj, root=root)
+
+    def bcast_object(self, obj, root: int = 0):
+        return self.control_comm.bcast(obj, root=root)
+
+    # ---- data plane ----
+    def allreduce(self, buf: np.ndarray, op, postscale: float) -> None:
+        self.ring.allreduce(buf, op, postscale)
+
+    def reducescatter(self, buf: np.ndarray, bounds: List[int], op, postscale: float) -> None:
+        self.ring.scatter_reduce(buf, bounds, op, postscale)
+
+    def allgather(self, buf: np.ndarray, bounds: List[int]) -> None:
+        """buf is bytes; this rank's part already sits at bounds[rank]."""
+        self.ring.allgather(buf, bounds)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        if self.size > 1 and buf.nbytes:
+            self.waiter.wait(self.data_comm.Ibcast(buf, root=root))
+
+    def alltoall(self, send: np.ndarray, send_rows: np.ndarray, row_bytes: int):
+        """Rows to each rank from `send` (bytes); returns (received bytes, rows from each rank)."""
+        n, r = self.size, self.rank
+        recv_rows = np.empty(n, dtype=np.int64)
+        self.waiter.wait(self.data_comm.Ialltoall(np.ascontiguousarray(send_rows, dtype=np.int64),
+                                                  recv_rows))
+        send_off = np.concatenate(([0], np.cumsum(send_rows))) * row_bytes
+        recv_off = np.concatenate(([0], np.cumsum(recv_rows))) * row_bytes
+        recv = np.empty(int(recv_off[-1]), dtype=np.uint8)
+        recv[recv_off[r]:recv_off[r + 1]] = send[send_off[r]:send_off[r + 1]]
+        for k in range(1, n):
+            dest, source = (r + k) % n, (r - k) % n
+            self.link.sendrecv(send[send_off[dest]:send_off[dest + 1]],
+                               recv[recv_off[source]:recv_off[source + 1]],
+                               dest=dest, source=source)
+        return recv, recv_rows
+
+    def close(self) -> None:
+        for comm in (self.data_comm, self.control_comm):
+            try:
+                comm.Free()
+            except MPI.Exception:
+                pass
