@@ -1,0 +1,74 @@
+"""cffi build script for ``horolite._native`` (the kernels in this folder).
+
+setup.py names it in ``cffi_modules``, so ``pip install .`` and
+``pip install -e .`` compile it. Run it directly to build in place for
+development: ``python native/build_native.py`` compiles under ``build/cffi`` and
+copies ``_native*.so`` into ``horolite/``.
+"""
+import os
+import shutil
+import sys
+
+import cffi
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+CDEF = """
+int hl_reduce(void *acc, const void *src, size_t count, int dtype, int op, double postscale);
+int hl_scale(void *dst, const void *src, size_t count, int dtype, double factor);
+int hl_pack(void *dst, const void *const *srcs, const size_t *nbytes, size_t n, int dtype,
+            double factor);
+int hl_unpack(void *const *dsts, const void *src, const size_t *nbytes, size_t n);
+int hl_isa_get(void);
+int hl_isa_set(int level);
+const char *hl_isa_name(int level);
+"""
+
+
+if sys.platform == "win32":
+    _CFLAGS = ["/O2"]
+else:
+    # -O3 vectorizes the loops. No -march: kernels.c compiles an x86-64-v3
+    # variant itself and picks it at run time. -ffp-contract=off keeps
+    # a*b+c from fusing, so every level rounds like NumPy;
+    # -fno-trapping-math lets GCC if-convert the branch-free float16 code
+    # (we never read floating-point exception flags).
+    _CFLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
+
+
+def make_builder(relative):
+    """The FFI for horolite._native; source paths relative to the project
+    root (what setuptools wants: pip runs setup.py there) or absolute."""
+    def path(*names):
+        full = os.path.join(HERE, *names)
+        return os.path.relpath(full, REPO) if relative else full
+
+    builder = cffi.FFI()
+    builder.cdef(CDEF)
+    builder.set_source(
+        "horolite._native",
+        '#include "kernels.h"',
+        sources=[path("kernels.c")],
+        include_dirs=[path()],
+        depends=[path("kernels.h"), path("kernels_impl.h")],
+        extra_compile_args=_CFLAGS,
+    )
+    return builder
+
+
+ffibuilder = make_builder(relative=os.path.abspath(os.getcwd()) == REPO)
+
+
+def build_in_place():
+    """Compile under build/cffi and copy the module into horolite/."""
+    tmpdir = os.path.join(REPO, "build", "cffi")
+    built = make_builder(relative=False).compile(tmpdir=tmpdir, verbose=True)
+    target = os.path.join(REPO, "horolite", os.path.basename(built))
+    shutil.copyfile(built, target)
+    print(f"copied {os.path.relpath(built, REPO)} -> {os.path.relpath(target, REPO)}")
+    return target
+
+
+if __name__ == "__main__":
+    build_in_place()
