@@ -1,0 +1,193 @@
+"""One rank's wrapper: runs the user command, prefixes its output, reports how it ended.
+
+``horolite-run`` starts every rank as ``python rankwrap.py [options] -- command``.
+Standard library only, and runnable as a plain file, so it works wherever the
+same Python exists (remote hosts included) without importing horolite.
+
+- Output lines become ``[<rank>]<stdout>:line`` / ``[<rank>]<stderr>:line``;
+  with ``--output-dir DIR`` the raw output also goes to ``DIR/rank.<rank>/stdout``
+  and ``.../stderr``.
+- Marker lines on stderr tell the launcher that the rank started and how it
+  ended (``##horolite-run## start ...`` / ``##horolite-run## exit ...``).
+- The command runs in its own process group with a parent-death signal; SIGINT,
+  SIGTERM and SIGHUP are forwarded to that group and escalate to SIGKILL after
+  ``--grace`` seconds; whatever is left of the group when the command ends is
+  killed. So no process outlives its rank.
+- The wrapper exits with the command's exit code (128+N for signal N).
+"""
+import argparse
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+MARKER = "##horolite-run##"
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def rank_and_size(environ=None):
+    """This process's rank and world size as set by MPICH hydra or Open MPI (PRRTE)."""
+    environ = os.environ if environ is None else environ
+    rank = size = None
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if environ.get(name, "").isdigit():
+            rank = int(environ[name])
+            break
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if environ.get(name, "").isdigit():
+            size = int(environ[name])
+            break
+    return (0 if rank is None else rank), (1 if size is None else size)
+
+
+def _child_setup():  # runs in the child between fork and exec
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+
+
+class _Stream:
+    """Splits one of the child's pipes into prefixed lines; tees raw bytes to a file."""
+
+    def __init__(self, fd_out, prefix, copy=None):
+        self.fd_out = fd_out
+        self.prefix = prefix
+        self.copy = copy
+        self.partial = b""
+
+    def feed(self, data):
+        if self.copy is not None:
+            self.copy.write(data)
+            self.copy.flush()
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        if lines:
+            _write(self.fd_out, b"".join(self.prefix + line + b"\n" for line in lines))
+
+    def close(self):
+        if self.partial:
+            _write(self.fd_out, self.prefix + self.partial + b"\n")
+            self.partial = b""
+        if self.copy is not None:
+            self.copy.close()
+
+
+def _write(fd, data):
+    while data:
+        try:
+            n = os.write(fd, data)
+        except InterruptedError:
+            continue
+        except OSError:  # the reader is gone; keep draining the child
+            return
+        data = data[n:]
+
+
+def _marker(kind, **fields):
+    text = " ".join(f"{k}={v}" for k, v in fields.items())
+    _write(2, f"{MARKER} {kind} {text}\n".encode())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="rankwrap", description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--grace", type=float, default=3.0,
+                        help="seconds between forwarding a signal and SIGKILL")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given")
+    rank, size = rank_and_size()
+    host = socket.gethostname()
+    copies = {}
+    if args.output_dir:
+        rank_dir = os.path.join(args.output_dir, f"rank.{rank}")
+        os.makedirs(rank_dir, exist_ok=True)
+        for name in ("stdout", "stderr"):
+            copies[name] = open(os.path.join(rank_dir, name), "wb")
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")  # rank output shows up as it is printed
+
+    state = {"signal": None, "kill_at": None}
+
+    def on_signal(signum, frame):
+        if state["signal"] is None:
+            state["signal"] = signum
+            state["kill_at"] = time.monotonic() + args.grace
+        try:
+            os.killpg(child.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    try:
+        # close_fds=False: MPICH hands each rank an inherited PMI socket (PMI_FD).
+        child = subprocess.Popen(command, stdin=None, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, close_fds=False, env=env,
+                                 preexec_fn=_child_setup)
+    except OSError as e:
+        code = 127 if isinstance(e, FileNotFoundError) else 126
+        _write(2, f"[{rank}]<stderr>:horolite-run: cannot run {command[0]!r}: {e.strerror}\n"
+               .encode())
+        _marker("start", rank=rank, size=size, host=host, pid=os.getpid(), pgid=0)
+        _marker("exit", rank=rank, size=size, host=host, code=code, signal=0, stopped=0)
+        return code
+    for signum in _FORWARDED:
+        signal.signal(signum, on_signal)
+    _marker("start", rank=rank, size=size, host=host, pid=os.getpid(), pgid=child.pid)
+
+    parent = os.getppid()
+    streams = {
+        child.stdout.fileno(): _Stream(1, f"[{rank}]<stdout>:".encode(), copies.get("stdout")),
+        child.stderr.fileno(): _Stream(2, f"[{rank}]<stderr>:".encode(), copies.get("stderr")),
+    }
+    selector = selectors.DefaultSelector()
+    for fd in streams:
+        selector.register(fd, selectors.EVENT_READ)
+    exited_at = None
+    while streams:
+        for key, _ in selector.select(timeout=0.2):
+            data = os.read(key.fd, 65536)
+            if data:
+                streams[key.fd].feed(data)
+            else:
+                selector.unregister(key.fd)
+                streams.pop(key.fd).close()
+        now = time.monotonic()
+        if state["kill_at"] is not None and now >= state["kill_at"]:
+            state["kill_at"] = None
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if state["signal"] is None and os.getppid() != parent:
+            on_signal(signal.SIGTERM, None)  # our MPI daemon is gone: end the rank
+        if exited_at is None and child.poll() is not None:
+            exited_at = now
+        if exited_at is not None and now - exited_at > 1.0:
+            break  # leftover processes hold the pipes open; they are killed below
+    for stream in streams.values():
+        stream.close()
+    returncode = child.wait()
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # anything the command left behind
+    except (ProcessLookupError, PermissionError):
+        pass
+    signum = -returncode if returncode < 0 else 0
+    code = 128 + signum if signum else returncode
+    _marker("exit", rank=rank, size=size, host=host, code=code, signal=signum,
+            stopped=int(state["signal"] is not None))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Run the mpirun command, relay its output, and end the job cleanly.
+
+The supervisor owns one mpirun process (in its own session, so a terminal's
+Ctrl-C reaches only the launcher) and two reader threads that copy mpirun's
+output to ours while picking out the rank wrappers' marker lines. The main
+thread waits on those events and enforces three rules:
+
+- a rank that fails (non-zero exit or signal) gets the job stopped: mpirun gets
+  ``fail_grace`` seconds to end the others itself, then SIGTERM, then SIGKILL;
+- SIGINT/SIGTERM/SIGHUP to the launcher is forwarded to mpirun, with the same
+  escalation (a second signal escalates at once);
+- every rank must report that it started within ``start_timeout`` seconds.
+
+The last resort kills, on this host, each rank wrapper and its command's
+process group, whose ids the wrappers reported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from . import hosts as hostlib
+from .rankwrap import MARKER
+
+__all__ = ["RankStatus", "JobResult", "Supervisor", "parse_marker", "describe_exit"]
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclasses.dataclass
+class RankStatus:
+    rank: int
+    host: str = ""
+    pid: int = 0
+    pgid: int = 0
+    started: bool = False
+    code: Optional[int] = None
+    signal: int = 0
+    stopped: bool = False  # ended because the job was being stopped
+
+
+@dataclasses.dataclass
+class JobResult:
+    exit_code: int
+    message: str  # empty on success
+
+
+def parse_marker(line: str) -> Optional[tuple]:
+    """``##horolite-run## exit rank=1 code=3`` -> ("exit", {"rank": "1", "code": "3"})."""
+    if not line.startswith(MARKER):
+        return None
+    parts = line[len(MARKER):].split()
+    if not parts:
+        return None
+    fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+    return parts[0], fields
+
+
+def _signame(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def describe_exit(status: RankStatus) -> str:
+    where = f"rank {status.rank}" + (f" (host {status.host}, pid {status.pid})" if status.host else "")
+    if status.signal:
+        return f"{where} was killed by signal {status.signal} ({_signame(status.signal)})"
+    return f"{where} exited with code {status.code}"
+
+
+def _set_session_and_parent_death():  # in mpirun's process, between fork and exec
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+
+
+class Supervisor:
+    def __init__(self, argv: Sequence[str], num_proc: int, rank_hosts: Sequence[str], *,
+                 start_timeout: float, fail_grace: float = 2.0, kill_grace: float = 3.0,
+                 log=None):
+        self.argv = list(argv)
+        self.num_proc = num_proc
+        self.rank_hosts = list(rank_hosts)
+        self.start_timeout = start_timeout
+        self.fail_grace = fail_grace
+        self.kill_grace = kill_grace
+        self.ranks: Dict[int, RankStatus] = {r: RankStatus(r) for r in range(num_proc)}
+        self.events: "queue.Queue" = queue.Queue()
+        self.first_failure: Optional[RankStatus] = None
+        self.interrupted: Optional[int] = None
+        self.timed_out = False
+        self._signals: List[int] = []
+        self._log = log or (lambda msg: print(f"horolite-run: {msg}", file=sys.stderr, flush=True))
+
+    # --- output relay (reader threads) ---
+    def _relay(self, pipe, out, parse: bool):
+        for raw in iter(pipe.readline, b""):
+            if parse and raw.startswith(MARKER.encode()):
+                parsed = parse_marker(raw.decode(errors="replace"))
+                if parsed:
+                    self.events.put(parsed)
+                    continue
+            try:
+                out.write(raw)
+                out.flush()
+            except (OSError, ValueError):
+                pass
+        pipe.close()
+
+    def _on_signal(self, signum, frame):
+        self._signals.append(signum)
+        self.events.put(("signal", {}))
+
+    # --- main loop ---
+    def run(self) -> JobResult:
+        previous = {s: signal.getsignal(s) for s in _STOP_SIGNALS}
+        for s in _STOP_SIGNALS:
+            signal.signal(s, self._on_signal)
+        try:
+            return self._run()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _run(self) -> JobResult:
+        try:
+            proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    preexec_fn=_set_session_and_parent_death)
+        except OSError as e:
+            return JobResult(127, f"cannot run {self.argv[0]}: {e.strerror}")
+        self.proc = proc
+        out = getattr(sys.stdout, "buffer", sys.stdout)
+        err = getattr(sys.stderr, "buffer", sys.stderr)
+        readers = [threading.Thread(target=self._relay, args=(proc.stdout, out, False),
+                                    name="horolite-run-stdout", daemon=True),
+                   threading.Thread(target=self._relay, args=(proc.stderr, err, True),
+                                    name="horolite-run-stderr", daemon=True)]
+        for t in readers:
+            t.start()
+        start_deadline = time.monotonic() + self.start_timeout
+        stop_at: Optional[float] = None  # when to send SIGTERM to mpirun
+        kill_at: Optional[float] = None  # when to SIGKILL everything left
+        while True:
+            try:
+                kind, fields = self.events.get(timeout=0.1)
+            except queue.Empty:
+                kind, fields = None, None
+            now = time.monotonic()
+            if kind in ("start", "exit"):
+                self._record(kind, fields)
+                if kind == "exit" and self.first_failure is None and self._failed(fields):
+                    self.first_failure = self.ranks[int(fields["rank"])]
+                    if self.num_proc > 1:
+                        self._log(f"{describe_exit(self.first_failure)}; stopping the other ranks")
+                    if stop_at is None:
+                        stop_at = now + self.fail_grace
+            elif kind == "signal":
+                while self._signals:
+                    signum = self._signals.pop(0)
+                    if self.interrupted is None:
+                        self.interrupted = signum
+                        self._log(f"got {_signame(signum)}: stopping all ranks")
+                        self._send(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+                        stop_at = None
+                        kill_at = now + self.kill_grace
+                    else:
+                        kill_at = now  # a second Ctrl-C: no more waiting
+            if proc.poll() is not None:
+                break
+            if not self.timed_out and now >= start_deadline and \
+                    not all(r.started for r in self.ranks.values()):
+                self.timed_out = True
+                self._log(self._start_timeout_message())
+                self._send(signal.SIGTERM)
+                kill_at = now + self.kill_grace
+            if stop_at is not None and now >= stop_at:
+                stop_at = None
+                self._send(signal.SIGTERM)
+                kill_at = now + self.kill_grace if kill_at is None else kill_at
+            if kill_at is not None and now >= kill_at:
+                kill_at = None
+                self._log("ranks still running after SIGTERM: sending SIGKILL")
+                self._kill_everything()
+        returncode = proc.wait()
+        # Ranks whose exit lines are still in the pipes: drain them.
+        for t in readers:
+            t.join(timeout=2.0)
+        while not self.events.empty():
+            kind, fields = self.events.get_nowait()
+            if kind in ("start", "exit"):
+                self._record(kind, fields)
+                if kind == "exit" and self.first_failure is None and self._failed(fields):
+                    self.first_failure = self.ranks[int(fields["rank"])]
+        self._kill_local_leftovers()
+        return self._result(returncode)
+
+    def _failed(self, fields) -> bool:
+        return (int(fields.get("code", 0)) != 0 or int(fields.get("signal", 0)) != 0) and \
+            fields.get("stopped") != "1" and self.interrupted is None and not self.timed_out
+
+    def _record(self, kind, fields):
+        try:
+            status = self.ranks[int(fields["rank"])]
+        except (KeyError, ValueError):
+            return
+        status.host = fields.get("host", status.host)
+        if kind == "start":
+            status.started = True
+            status.pid = int(fields.get("pid", 0))
+            status.pgid = int(fields.get("pgid", 0))
+        else:
+            status.code = int(fields.get("code", 0))
+            status.signal = int(fields.get("signal", 0))
+            status.stopped = fields.get("stopped") == "1"
+
+    def _send(self, signum):
+        try:
+            os.kill(self.proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def _kill_local_leftovers(self, signum=signal.SIGKILL):
+        """Rank wrappers on this host that never reported an exit, and their commands."""
+        for status in self.ranks.values():
+            if not status.started or status.code is not None or not hostlib.is_local(status.host):
+                continue
+            for pgid in (status.pgid, status.pid):
+                if pgid > 1:
+                    try:
+                        os.killpg(pgid, signum)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+    def _kill_everything(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._kill_local_leftovers()
+
+    def _start_timeout_message(self) -> str:
+        missing = [r for r, s in self.ranks.items() if not s.started]
+        where = sorted({self.rank_hosts[r] for r in missing if r < len(self.rank_hosts)})
+        return (f"only {self.num_proc - len(missing)} of {self.num_proc} ranks started within "
+                f"--start-timeout {self.start_timeout:g}s; missing ranks "
+                f"{', '.join(map(str, missing))} (on {', '.join(where) or 'unknown hosts'}). "
+                f"Check that these hosts are reachable (ssh without a password), and that "
+                f"{sys.executable} exists there")
+
+    def _result(self, returncode: int) -> JobResult:
+        if self.interrupted is not None:
+            return JobResult(128 + self.interrupted, f"stopped by {_signame(self.interrupted)}")
+        if self.timed_out:
+            return JobResult(returncode or 1, "ranks did not start within --start-timeout")
+        failed = self.first_failure
+        if failed is None:
+            others = [s for s in self.ranks.values() if s.code not in (None, 0) or s.signal]
+            failed = others[0] if others else None
+        if failed is not None:
+            stopped = sorted(s.rank for s in self.ranks.values()
+                             if s is not failed and (s.stopped or s.code is None))
+            message = f"job failed: {describe_exit(failed)}"
+            if stopped:
+                message += f"; ranks stopped as a result: {', '.join(map(str, stopped))}"
+            code = failed.code if failed.code else 1
+            return JobResult(code, message)
+        never = [r for r, s in self.ranks.items() if s.code is None]
+        if returncode != 0:
+            detail = f"; no exit status from ranks {', '.join(map(str, never))}" if never else ""
+            return JobResult(returncode, f"mpirun exited with code {returncode}{detail}")
+        if never:
+            return JobResult(1, f"no exit status from ranks {', '.join(map(str, never))}")
+        return JobResult(0, "")
