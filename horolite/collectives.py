@@ -36,7 +36,9 @@ def _auto_name(kind: str) -> str:
 
 
 def _as_array(array, name: str, kind: Kind) -> np.ndarray:
-    arr = np.ascontiguousarray(array)
+    arr = np.asarray(array)
+    if not arr.flags.c_contiguous:  # (np.ascontiguousarray would turn scalars into 1-d)
+        arr = arr.copy(order="C")
     dname = dtype_name(arr.dtype)
     allowed = REDUCIBLE_DTYPES if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER) else MOVABLE_DTYPES
     if dname not in allowed:

@@ -1,0 +1,224 @@
+"""Every collective x dtype x op on the real MPI transport, against NumPy references.
+
+Runs on every rank under mpirun (tests/test_matrix_core.py). Each rank's input
+is a pure function of (rank, tensor), so every rank can build the reference
+from all ranks' inputs locally.
+"""
+import os
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import horolite as hvd
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+
+DTYPES = ["uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+OPS = [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product]
+SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (1031,)]
+BIG = int(os.environ.get("HOROLITE_TEST_BIG_ELEMENTS", "70001"))
+
+
+def np_dtype(name):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def make(rank, shape, dtype, key, low=0, high=5):
+    seed = zlib.crc32(repr((rank, key)).encode())
+    rng = np.random.RandomState(seed)
+    return rng.randint(low, high, size=shape).astype(np.float64).astype(np_dtype(dtype))
+
+
+def reference(op, arrays, dtype):
+    stack = np.stack([a.astype(np.float64) for a in arrays])
+    if op in (hvd.Sum, hvd.Average):
+        out = stack.sum(axis=0)
+        if op == hvd.Average:
+            out = out / len(arrays)
+            if np.dtype(np_dtype(dtype)).kind in "iu":
+                out = np.trunc(out)
+    elif op == hvd.Min:
+        out = stack.min(axis=0)
+    elif op == hvd.Max:
+        out = stack.max(axis=0)
+    else:
+        out = stack.prod(axis=0)
+    return out
+
+
+def assert_close(got, want, dtype):
+    assert got.shape == want.shape, (got.shape, want.shape)
+    got = got.astype(np.float64)
+    if dtype == "bfloat16":
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-2)
+    elif dtype == "float16":
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-3)
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
+def test_allreduce(dtype, op):
+    # Submit every shape asynchronously so they meet in the same cycles and fuse.
+    handles, refs = [], []
+    for i, shape in enumerate(SHAPES):
+        key = (dtype, int(op), i)
+        # Products stay small (<= 2**4) so int8 does not wrap.
+        high = 3 if op == hvd.Product else 5
+        x = make(RANK, shape, dtype, key, high=high)
+        before = x.copy()
+        handles.append((hvd.allreduce_async(x, op=op, name=f"ar.{dtype}.{op.name}.{i}"), x, before))
+        refs.append(reference(op, [make(r, shape, dtype, key, high=high) for r in range(SIZE)], dtype))
+    for (h, x, before), want in zip(handles, refs):
+        got = hvd.synchronize(h)
+        assert got.dtype == np_dtype(dtype)
+        assert_close(got, want, dtype)
+        assert np.array_equal(x, before), "input was modified"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "float16"])
+def test_allreduce_large_and_scaled(dtype):
+    key = ("big", dtype)
+    x = make(RANK, (BIG,), dtype, key)
+    got = hvd.allreduce(x, op=hvd.Sum, name=f"big.{dtype}", prescale_factor=0.5, postscale_factor=3.0)
+    want = reference(hvd.Sum, [make(r, (BIG,), dtype, key).astype(np.float64) * 0.5
+                               for r in range(SIZE)], dtype) * 3.0
+    if np_dtype(dtype).kind in "iu":
+        # Integers: prescale truncates each input, postscale truncates the sum.
+        want = np.trunc(reference(hvd.Sum, [np.trunc(make(r, (BIG,), dtype, key) * 0.5)
+                                            for r in range(SIZE)], dtype) * 3.0)
+    assert_close(got, want, dtype)
+
+
+def test_average_is_default_and_named_repeat_uses_cache():
+    x = np.full(5, float(RANK + 1), dtype=np.float32)
+    want = np.full(5, (SIZE + 1) / 2.0)
+    for _ in range(4):
+        np.testing.assert_allclose(hvd.allreduce(x, name="repeat"), want)
+
+
+def test_different_submission_order_per_rank():
+    names = [f"order.{i}" for i in range(12)]
+    order = list(names)
+    np.random.RandomState(RANK).shuffle(order)
+    handles = {n: hvd.allreduce_async(np.full(3, float(RANK + int(n.split('.')[1])), np.float64),
+                                      op=hvd.Sum, name=n) for n in order}
+    for n in names:
+        i = int(n.split('.')[1])
+        np.testing.assert_allclose(hvd.synchronize(handles[n]), np.full(3, sum(r + i for r in range(SIZE))))
+
+
+def test_grouped_allreduce():
+    arrays = [make(RANK, s, "float32", ("g", i)) for i, s in enumerate([(3,), (4, 2), ()])]
+    got = hvd.grouped_allreduce(arrays, op=hvd.Sum, name="group")
+    for i, (g, s) in enumerate(zip(got, [(3,), (4, 2), ()])):
+        assert_close(g, reference(hvd.Sum, [make(r, s, "float32", ("g", i)) for r in range(SIZE)],
+                                  "float32"), "float32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["bool"])
+def test_allgather_uneven_first_dim(dtype):
+    def rows(r):
+        return (r * 2 + 1) % 4  # 1, 3, 1, 3 rows: includes uneven sizes
+
+    def part(r):
+        if dtype == "bool":
+            return (np.arange(rows(r) * 3).reshape(rows(r), 3) + r) % 2 == 0
+        return make(r, (rows(r), 3), dtype, ("ag", dtype))
+
+    got = hvd.allgather(part(RANK), name=f"ag.{dtype}")
+    want = np.concatenate([part(r) for r in range(SIZE)])
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.array_equal(got.astype(np.float64), want.astype(np.float64))
+
+
+def test_allgather_zero_rows_on_some_ranks():
+    x = np.full((RANK % 2, 2), RANK, dtype=np.int32)
+    got = hvd.allgather(x, name="ag.zero")
+    want = np.concatenate([np.full((r % 2, 2), r, dtype=np.int32) for r in range(SIZE)])
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + ["bool"])
+def test_broadcast_every_root(dtype):
+    for root in range(SIZE):
+        x = make(RANK, (4, 3), dtype, ("bc", dtype)) if dtype != "bool" else np.full(5, RANK == root)
+        got = hvd.broadcast(x, root_rank=root, name=f"bc.{dtype}.{root}")
+        want = make(root, (4, 3), dtype, ("bc", dtype)) if dtype != "bool" else np.full(5, True)
+        assert np.array_equal(got.astype(np.float64), want.astype(np.float64))
+
+
+def test_broadcast_scalar_and_empty():
+    assert hvd.broadcast(np.float64(RANK + 7), root_rank=0, name="bc.scalar") == 7
+    assert hvd.broadcast(np.zeros((0, 4)), root_rank=SIZE - 1, name="bc.empty").shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int64", "float16", "bfloat16", "float32", "bool"])
+def test_alltoall_with_splits(dtype):
+    # Rank r sends (r + d) % 3 rows to rank d; each row is tagged with sender and destination.
+    def splits_of(r):
+        return np.array([(r + d) % 3 for d in range(SIZE)])
+
+    def rows_for(r, d):
+        n = (r + d) % 3
+        block = np.full((n, 2), r * 10 + d, dtype=np.float64)
+        return (block % 2 == 0) if dtype == "bool" else block.astype(np_dtype(dtype))
+
+    send = np.concatenate([rows_for(RANK, d) for d in range(SIZE)])
+    out, recv_splits = hvd.alltoall(send, splits=splits_of(RANK), name=f"a2a.{dtype}")
+    want = np.concatenate([rows_for(s, RANK) for s in range(SIZE)])
+    assert np.array_equal(recv_splits, [splits_of(s)[RANK] for s in range(SIZE)])
+    assert np.array_equal(out.astype(np.float64), want.astype(np.float64))
+
+
+def test_alltoall_even_default():
+    send = np.arange(SIZE * 2, dtype=np.int32) + 100 * RANK
+    out = hvd.alltoall(send, name="a2a.even")
+    want = np.concatenate([np.arange(RANK * 2, RANK * 2 + 2, dtype=np.int32) + 100 * s for s in range(SIZE)])
+    assert np.array_equal(out, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Average, hvd.Max])
+@pytest.mark.parametrize("rows", [1, 7, 2 * 4 + 1])
+def test_reducescatter(dtype, op, rows):
+    key = ("rs", dtype, int(op), rows)
+    x = make(RANK, (rows, 3), dtype, key)
+    got = hvd.reducescatter(x, op=op, name=f"rs.{dtype}.{op.name}.{rows}")
+    full = reference(op, [make(r, (rows, 3), dtype, key) for r in range(SIZE)], dtype)
+    base, extra = divmod(rows, SIZE)
+    start = RANK * base + min(RANK, extra)
+    mine = base + (1 if RANK < extra else 0)
+    assert_close(got, full[start:start + mine], dtype)
+
+
+def test_barrier_and_join():
+    hvd.barrier()
+    # Rank r does r extra allreduces before joining; joined ranks contribute zeros.
+    for step in range(RANK):
+        got = hvd.allreduce(np.ones(4, np.float32), op=hvd.Sum, name=f"join.step{step}")
+        active = len([r for r in range(SIZE) if r > step])
+        np.testing.assert_allclose(got, np.full(4, active))
+    last = hvd.join()
+    assert last == SIZE - 1 if SIZE > 1 else last == 0
+    np.testing.assert_allclose(hvd.allreduce(np.ones(2), op=hvd.Sum, name="after.join"), np.full(2, SIZE))
+
+
+def test_many_small_tensors_async():
+    handles = [hvd.allreduce_async(np.full(256, i + RANK, np.float32), op=hvd.Sum, name=f"small.{i}")
+               for i in range(200)]
+    for i, h in enumerate(handles):
+        np.testing.assert_allclose(h.result(), np.full(256, sum(i + r for r in range(SIZE))))
+
+
+def test_topology():
+    assert 0 <= hvd.local_rank() < hvd.local_size() <= SIZE
+    assert hvd.cross_size() * hvd.local_size() == SIZE
+    assert hvd.is_homogeneous()
+    assert isinstance(hvd.mpi_threads_supported(), bool)
+    hvd.init()  # idempotent
+    assert hvd.rank() == RANK
