@@ -1,59 +1,148 @@
 """Reduction, scaling and fusion-buffer packing kernels.
 
-The interface the ring and fusion code call. Arrays are 1-D and C-contiguous;
-`acc` and `src` have the same dtype and length.
+The interface the ring and fusion code call, backed by the C kernels in
+``native/`` (compiled by cffi into ``horolite._native``). There is no NumPy
+fallback: the extension is part of the package.
+
+Arrays are NumPy arrays, C-contiguous, of any shape (they are treated as flat).
+Reductions and scaling take the dtypes in ``ops.REDUCIBLE_DTYPES`` (bfloat16 is
+``ml_dtypes.bfloat16``); float16 and bfloat16 compute in float32 and round to
+nearest even. Integer sum and product wrap around; a scaled integer is computed
+in double, truncated toward zero and saturated to the dtype's range.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .ops import ReduceOp
+from .ops import REDUCIBLE_DTYPES, ReduceOp
+
+try:
+    from ._native import ffi as _ffi, lib as _lib
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "horolite._native (the compiled kernels) is missing or broken: reinstall "
+        "horolite with `pip install .` (or `pip install -e .`), or in a source "
+        "checkout build it in place with `python native/build_native.py`") from exc
 
 __all__ = ["reduce_into", "scale_into", "pack", "unpack"]
 
+# AVERAGE reduces like SUM: the caller folds 1/n into postscale.
+_OP_CODES = {ReduceOp.SUM: 1, ReduceOp.AVERAGE: 1, ReduceOp.MIN: 3,
+             ReduceOp.MAX: 4, ReduceOp.PRODUCT: 5}
+_ITEMSIZE = {"uint8": 1, "int8": 1, "int32": 4, "int64": 8,
+             "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+_ERRORS = {-1: "unsupported dtype", -2: "unsupported reduce op",
+           -3: "byte count is not a multiple of the element size",
+           -4: "integer dtypes need a finite scale factor"}
+
+# dtype -> native code, filled on first sight of each dtype
+_codes: dict = {}
+# Resolved once: cffi parses C type strings and keyword arguments on every
+# call otherwise, which costs more than the small kernels themselves.
+_from_buffer = _ffi.from_buffer
+_new = _ffi.new
+_CHARS = _ffi.typeof("char[]")
+_PTRS = _ffi.typeof("void *[]")
+_SIZES = _ffi.typeof("size_t[]")
+
+
+def _code(dtype: np.dtype) -> int:
+    code = _codes.get(dtype)
+    if code is None:
+        name = dtype.name
+        if (name not in REDUCIBLE_DTYPES or not dtype.isnative
+                or dtype.itemsize != _ITEMSIZE[name]):
+            raise TypeError(f"unsupported dtype {dtype} for reduction or scaling: "
+                            f"use one of {', '.join(REDUCIBLE_DTYPES)} in native byte order")
+        code = _codes[dtype] = REDUCIBLE_DTYPES[name]
+    return code
+
+
+def _buf(array: np.ndarray, what: str, writable: bool = False):
+    """A cffi pointer to the array's data (which it keeps alive)."""
+    try:
+        return _from_buffer(_CHARS, array, writable)
+    except (ValueError, TypeError, BufferError) as exc:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"{what} must be a NumPy array, not {type(array).__name__}") from None
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{what} must be C-contiguous") from None
+        if writable and not array.flags.writeable:
+            raise ValueError(f"{what} must be writable") from None
+        raise ValueError(f"{what}: {exc}") from None
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise ValueError(f"native kernel failed: {_ERRORS.get(rc, f'error {rc}')}")
+
 
 def reduce_into(acc: np.ndarray, src: np.ndarray, op: ReduceOp, postscale: float = 1.0) -> None:
-    """acc = (acc op src) * postscale, in one pass."""
-    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        np.add(acc, src, out=acc)
-    elif op == ReduceOp.MIN:
-        np.minimum(acc, src, out=acc)
-    elif op == ReduceOp.MAX:
-        np.maximum(acc, src, out=acc)
-    elif op == ReduceOp.PRODUCT:
-        np.multiply(acc, src, out=acc)
-    else:
-        raise ValueError(f"unsupported reduce op {op!r}")
-    if postscale != 1.0:
-        scale_into(acc, acc, postscale)
+    """acc = (acc op src) * postscale, in one pass (AVERAGE reduces like SUM)."""
+    dtype = acc.dtype
+    code = _code(dtype)
+    if src.dtype != dtype:
+        raise TypeError(f"reduce_into: acc is {dtype} but src is {src.dtype}")
+    count = acc.size
+    if src.size != count:
+        raise ValueError(f"reduce_into: acc has {count} elements but src has {src.size}")
+    opc = _OP_CODES.get(op)
+    if opc is None:
+        raise ValueError(f"unsupported reduce op {op!r}: the kernels do "
+                         "SUM, AVERAGE, MIN, MAX and PRODUCT")
+    _check(_lib.hl_reduce(_buf(acc, "acc", True), _buf(src, "src"), count, code, opc,
+                          postscale))
 
 
 def scale_into(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
-    """dst = src * factor (dst may be src); integers truncate toward zero."""
-    if dst.dtype.kind == "f" or dst.dtype.name == "bfloat16":
-        np.multiply(src, dst.dtype.type(factor), out=dst, casting="unsafe")
-    else:
-        dst[...] = np.trunc(src * factor)
+    """dst = src * factor (dst may be src)."""
+    dtype = dst.dtype
+    code = _code(dtype)
+    if src.dtype != dtype:
+        raise TypeError(f"scale_into: dst is {dtype} but src is {src.dtype}")
+    count = dst.size
+    if src.size != count:
+        raise ValueError(f"scale_into: dst has {count} elements but src has {src.size}")
+    _check(_lib.hl_scale(_buf(dst, "dst", True), _buf(src, "src"), count, code, factor))
 
 
 def pack(buffer: np.ndarray, arrays, factor: float = 1.0) -> int:
-    """Copy `arrays` back to back into the uint8 `buffer`; returns bytes used."""
-    offset = 0
-    for a in arrays:
-        n = a.nbytes
-        view = buffer[offset:offset + n].view(a.dtype)
-        if factor != 1.0:
-            scale_into(view, a.reshape(-1), factor)
-        else:
-            view[...] = a.reshape(-1)
-        offset += n
-    return offset
+    """Copy `arrays` back to back into the uint8 `buffer`, scaled by `factor`
+    (all arrays then share one reducible dtype); returns the bytes used."""
+    n = len(arrays)
+    srcs = _new(_PTRS, n)
+    sizes = _new(_SIZES, n)
+    keep = [None] * n  # the cffi buffers must outlive the call
+    total = 0
+    for i, a in enumerate(arrays):
+        keep[i] = srcs[i] = _buf(a, f"pack: arrays[{i}]")
+        sizes[i] = nbytes = a.nbytes
+        total += nbytes
+    code = 0  # ignored by the C side for a plain copy
+    if factor != 1.0 and n:
+        dtype = arrays[0].dtype
+        code = _code(dtype)
+        for i, a in enumerate(arrays):
+            if a.dtype != dtype:
+                raise TypeError(f"pack with a scale factor needs one dtype: arrays[0] is "
+                                f"{dtype}, arrays[{i}] is {a.dtype}")
+    if total > buffer.nbytes:
+        raise ValueError(f"pack: arrays need {total} bytes, buffer has {buffer.nbytes}")
+    _check(_lib.hl_pack(_buf(buffer, "buffer", True), srcs, sizes, n, code, factor))
+    return total
 
 
 def unpack(buffer: np.ndarray, arrays) -> None:
     """Copy consecutive bytes of the uint8 `buffer` into each array."""
-    offset = 0
-    for a in arrays:
-        n = a.nbytes
-        a.reshape(-1)[...] = buffer[offset:offset + n].view(a.dtype)
-        offset += n
+    n = len(arrays)
+    dsts = _new(_PTRS, n)
+    sizes = _new(_SIZES, n)
+    keep = [None] * n
+    total = 0
+    for i, a in enumerate(arrays):
+        keep[i] = dsts[i] = _buf(a, f"unpack: arrays[{i}]", True)
+        sizes[i] = nbytes = a.nbytes
+        total += nbytes
+    if total > buffer.nbytes:
+        raise ValueError(f"unpack: arrays need {total} bytes, buffer has {buffer.nbytes}")
+    _check(_lib.hl_unpack(dsts, _buf(buffer, "buffer"), sizes, n))
