@@ -44,9 +44,7 @@ class StallInspector:
                          "collectives (a rank may be stuck, or the ranks run different code):\n  %s",
                          rank, "\n  ".join(lines))
         if self.shutdown_after > 0:
-            overdue = [line for line, (_, _, _, waited) in zip(lines, stalled)
-                       if waited >= self.shutdown_after]
-            if overdue:
+            if any(waited >= self.shutdown_after for *_, waited in stalled):
                 return ("stalled for more than HOROLITE_STALL_SHUTDOWN_TIME_SECONDS="
-                        f"{self.shutdown_after:g}; shutting the job down: " + "; ".join(overdue))
+                        f"{self.shutdown_after:g}; shutting the job down: " + "; ".join(lines))
         return None

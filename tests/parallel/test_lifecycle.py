@@ -1,0 +1,125 @@
+"""Timeline, stall inspector, shutdown with pending work, re-init, init on a subset.
+
+Tests run in file order and re-initialize the runtime with new settings.
+"""
+import json
+import logging
+import os
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+import horolite as hvd
+
+OUTDIR = os.environ.get("HOROLITE_TEST_OUTDIR") or tempfile.mkdtemp()
+TIMELINE = os.path.join(OUTDIR, "timeline.json")
+os.environ["HOROLITE_TIMELINE"] = TIMELINE
+os.environ["HOROLITE_STALL_CHECK_TIME_SECONDS"] = "1"
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+multi = pytest.mark.skipif(SIZE == 1, reason="needs at least two ranks")
+
+
+class Capture(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def reinit(**env):
+    hvd.shutdown()
+    for key in [k for k in os.environ if k.startswith("HOROLITE_") and k != "HOROLITE_TEST_OUTDIR"
+                and k != "HOROLITE_UNDER_MPIRUN"]:
+        del os.environ[key]
+    os.environ.update(env)
+    hvd.init()
+
+
+def test_timeline_is_json_with_every_phase():
+    handles = [hvd.allreduce_async(np.ones(100, np.float32), name=f"tl.{i}") for i in range(4)]
+    for h in handles:
+        h.result()
+    hvd.allgather(np.ones((1, 2)), name="tl.gather")
+    path = TIMELINE if RANK == 0 else TIMELINE.replace(".json", f".rank{RANK}.json")
+    events = json.load(open(path))  # valid while the runtime is still writing
+    rows = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
+    assert {"tl.0", "tl.3", "tl.gather"} <= set(rows)
+    phases = {e["name"] for e in events if e.get("ph") == "X" and e["tid"] == rows["tl.1"]}
+    assert {"NEGOTIATE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE", "MEMCPY_OUT_FUSION_BUFFER"} <= phases
+    assert "ALLGATHER" in {e["name"] for e in events if e.get("tid") == rows["tl.gather"]}
+
+
+@multi
+def test_stall_is_reported_with_missing_ranks():
+    capture = Capture()
+    logging.getLogger("horolite").addHandler(capture)
+    try:
+        if RANK == 0:
+            handle = hvd.allreduce_async(np.ones(2), name="late.tensor")
+            time.sleep(3.0)
+        else:
+            time.sleep(3.0)
+            handle = hvd.allreduce_async(np.ones(2), name="late.tensor")
+        np.testing.assert_allclose(handle.result(), np.ones(2))
+    finally:
+        logging.getLogger("horolite").removeHandler(capture)
+    if RANK == 0:
+        missing = ", ".join(str(r) for r in range(1, SIZE))
+        text = "\n".join(capture.messages)
+        assert "stall detected" in text and "tensor 'late.tensor'" in text, text
+        assert f"submitted by rank 0, missing on rank{'s' if SIZE > 2 else ''} {missing}" in text, text
+
+
+def test_shutdown_with_pending_work_fails_it_everywhere():
+    reinit()
+    # Each rank waits on a tensor no other rank submits (on one rank, on nobody else).
+    pending = hvd.allreduce_async(np.ones(2), name=f"orphan.{RANK}") if SIZE > 1 else None
+    hvd.barrier()
+    hvd.shutdown()
+    if pending is not None:
+        with pytest.raises(hvd.ShutdownError, match=f"tensor 'orphan.{RANK}'.*shut down"):
+            pending.result(timeout=30)
+    with pytest.raises(hvd.NotInitializedError, match=r"call horolite.init\(\) first"):
+        hvd.allreduce(np.ones(2), name="after.shutdown")
+    assert not hvd.is_initialized()
+
+
+def test_reinit_works():
+    hvd.init()
+    np.testing.assert_allclose(hvd.allreduce(np.ones(3), op=hvd.Sum, name="reinit"), np.full(3, SIZE))
+
+
+def test_init_on_a_subset_of_ranks():
+    hvd.shutdown()
+    members = list(range(0, SIZE, 2))  # even ranks
+    if RANK in members:
+        hvd.init(comm=members)
+        assert hvd.size() == len(members) and hvd.rank() == members.index(RANK)
+        got = hvd.allreduce(np.full(2, RANK, np.float64), op=hvd.Sum, name="subset")
+        np.testing.assert_allclose(got, np.full(2, sum(members)))
+        hvd.shutdown()
+    else:
+        with pytest.raises(ValueError, match=f"world rank {RANK} is not in the list"):
+            hvd.init(comm=members)
+    hvd.init()
+    hvd.barrier()
+
+
+@multi
+def test_stall_shutdown_ends_the_job_with_the_message():
+    reinit(HOROLITE_STALL_CHECK_TIME_SECONDS="0.5", HOROLITE_STALL_SHUTDOWN_TIME_SECONDS="1.5")
+    # Every rank waits on a tensor only it submitted: rank 0 shuts the job down.
+    handle = hvd.allreduce_async(np.ones(2), name=f"stuck.{RANK}")
+    with pytest.raises(hvd.StallError) as info:
+        handle.result(timeout=60)
+    msg = str(info.value)
+    assert f"tensor 'stuck.{RANK}'" in msg and "HOROLITE_STALL_SHUTDOWN_TIME_SECONDS" in msg
+    assert "submitted by rank" in msg and "missing on" in msg
+    with pytest.raises(hvd.StallError):
+        hvd.allreduce(np.ones(2), name="after.stall")
+    hvd.shutdown()
