@@ -83,7 +83,8 @@ def check_requests(name: str, requests: Dict[int, Request], size: int,
     if kind == Kind.BROADCAST and not 0 <= first.root < size:
         return fail(f"root rank {first.root} is out of range for a job of {size} ranks", "invalid")
     if joined and kind not in (Kind.ALLREDUCE, Kind.BARRIER):
-        return fail(f"{kind.label} cannot run while {format_ranks(joined)} have joined; "
+        verb = "has" if len(joined) == 1 else "have"
+        return fail(f"{kind.label} cannot run while {format_ranks(joined)} {verb} joined; "
                     "only allreduce works with join()", "invalid")
 
     extra = {}

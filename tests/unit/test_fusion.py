@@ -1,0 +1,48 @@
+"""Fusion planning is a pure function of the response list and sizes."""
+import numpy as np
+
+from horolite.fusion import FusionBuffer, plan_batches
+from horolite.messages import Kind, Response
+
+
+def ar(name, n, dtype="float32", op=1, **kw):
+    return Response(kind=Kind.ALLREDUCE, name=name, dtype=dtype, shape=(n,), op=op, **kw)
+
+
+def size(resp):
+    return resp.shape[0] * np.dtype(resp.dtype).itemsize
+
+
+def names(batches):
+    return [[r.name for r in b] for b in batches]
+
+
+def test_consecutive_compatible_tensors_fuse_up_to_threshold():
+    rs = [ar("a", 10), ar("b", 10), ar("c", 10)]
+    assert names(plan_batches(rs, size, 80)) == [["a", "b"], ["c"]]
+    assert names(plan_batches(rs, size, 1000)) == [["a", "b", "c"]]
+
+
+def test_threshold_zero_disables_fusion():
+    rs = [ar("a", 1), ar("b", 1)]
+    assert names(plan_batches(rs, size, 0)) == [["a"], ["b"]]
+
+
+def test_bigger_than_threshold_runs_alone():
+    rs = [ar("a", 1), ar("big", 1000), ar("b", 1)]
+    assert names(plan_batches(rs, size, 100)) == [["a"], ["big"], ["b"]]
+
+
+def test_different_dtype_op_scale_or_kind_break_batches():
+    rs = [ar("a", 1), ar("b", 1, dtype="float64"), ar("c", 1, dtype="float64", op=3),
+          ar("d", 1, dtype="float64", op=3, prescale=2.0),
+          Response(kind=Kind.BROADCAST, name="e", dtype="float64", shape=(1,)),
+          ar("f", 1, dtype="float64", op=3, prescale=2.0), ar("g", 1, error="x")]
+    assert names(plan_batches(rs, size, 1 << 20)) == [["a"], ["b"], ["c"], ["d"], ["e"], ["f"], ["g"]]
+
+
+def test_fusion_buffer_is_reused():
+    fb = FusionBuffer(1024)
+    first = fb.get(100)
+    assert fb.get(500).base is first.base
+    assert fb.get(4096).nbytes == 4096  # grows for a batch larger than the threshold
