@@ -77,6 +77,40 @@ def describe_exit(status: RankStatus) -> str:
     return f"{where} exited with code {status.code}"
 
 
+def _proc_table() -> Dict[int, tuple]:
+    """pid -> (ppid, start time) for every process, from /proc (empty where there is none)."""
+    table = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        table[int(name)] = (int(fields[1]), fields[19])  # ppid, starttime
+    return table
+
+
+def descendants(root: int, table: Optional[Dict[int, tuple]] = None) -> Dict[int, bytes]:
+    """pid -> start time of every process below ``root``."""
+    table = _proc_table() if table is None else table
+    children: Dict[int, List[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found[child] = table[child][1]
+            todo.append(child)
+    return found
+
+
 def _set_session_and_parent_death():  # in mpirun's process, between fork and exec
     os.setsid()
     if sys.platform.startswith("linux"):
@@ -151,6 +185,8 @@ class Supervisor:
         for t in readers:
             t.start()
         start_deadline = time.monotonic() + self.start_timeout
+        self._tree: Dict[int, bytes] = {}  # the job's processes on this host, seen so far
+        next_scan = 0.0
         stop_at: Optional[float] = None  # when to send SIGTERM to mpirun
         kill_at: Optional[float] = None  # when to SIGKILL everything left
         while True:
@@ -180,6 +216,9 @@ class Supervisor:
                         kill_at = now  # a second Ctrl-C: no more waiting
             if proc.poll() is not None:
                 break
+            if now >= next_scan:
+                next_scan = now + 0.5
+                self._tree.update(descendants(proc.pid))
             if not self.timed_out and now >= start_deadline and \
                     not all(r.started for r in self.ranks.values()):
                 self.timed_out = True
@@ -205,7 +244,23 @@ class Supervisor:
                 if kind == "exit" and self.first_failure is None and self._failed(fields):
                     self.first_failure = self.ranks[int(fields["rank"])]
         self._kill_local_leftovers()
-        return self._result(returncode)
+        result = self._result(returncode)
+        if result.exit_code != 0:
+            self._kill_tree_leftovers()
+        return result
+
+    def _kill_tree_leftovers(self):
+        """After a failed job, whatever mpirun started here and left behind (a hung ssh...)."""
+        if not self._tree:
+            return
+        time.sleep(0.2)  # let processes that are already ending go by themselves
+        table = _proc_table()
+        for pid, start in self._tree.items():
+            if pid in table and table[pid][1] == start:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def _failed(self, fields) -> bool:
         return (int(fields.get("code", 0)) != 0 or int(fields.get("signal", 0)) != 0) and \
@@ -265,19 +320,25 @@ class Supervisor:
             return JobResult(128 + self.interrupted, f"stopped by {_signame(self.interrupted)}")
         if self.timed_out:
             return JobResult(returncode or 1, "ranks did not start within --start-timeout")
-        failed = self.first_failure
-        if failed is None:
-            others = [s for s in self.ranks.values() if s.code not in (None, 0) or s.signal]
-            failed = others[0] if others else None
+        failures = [s for s in self.ranks.values()
+                    if (s.code not in (None, 0) or s.signal) and not s.stopped]
+        failed = self.first_failure or (failures[0] if failures else None)
         if failed is not None:
+            others = [s for s in failures if s is not failed]
             stopped = sorted(s.rank for s in self.ranks.values()
-                             if s is not failed and (s.stopped or s.code is None))
+                             if s is not failed and s not in others and (s.stopped or s.code is None))
             message = f"job failed: {describe_exit(failed)}"
+            if others:
+                message += "; then " + "; ".join(describe_exit(s) for s in others)
             if stopped:
                 message += f"; ranks stopped as a result: {', '.join(map(str, stopped))}"
             code = failed.code if failed.code else 1
             return JobResult(code, message)
         never = [r for r, s in self.ranks.items() if s.code is None]
+        if returncode != 0 and not any(s.started for s in self.ranks.values()):
+            return JobResult(returncode, f"mpirun failed (exit {returncode}) before any rank "
+                                         f"started: see its messages above (for remote hosts: "
+                                         f"are they reachable with ssh, without a password?)")
         if returncode != 0:
             detail = f"; no exit status from ranks {', '.join(map(str, never))}" if never else ""
             return JobResult(returncode, f"mpirun exited with code {returncode}{detail}")
