@@ -30,3 +30,27 @@ def test_errors(np_):
 @pytest.mark.parametrize("np_", RANK_COUNTS)
 def test_lifecycle(np_):
     run_pytest_file(os.path.join(PARALLEL, "test_lifecycle.py"), np_)
+
+
+EXIT_SCRIPT = """
+import sys
+import numpy as np
+import horolite as hvd
+hvd.init()
+hvd.allreduce(np.ones(3), name="x")
+# Left pending on purpose: only this rank submits it, and nobody calls shutdown().
+h = hvd.allreduce_async(np.ones(3), name="orphan.%d" % hvd.rank())
+print("rank", hvd.rank(), "leaving", flush=True)
+"""
+
+
+@pytest.mark.parametrize("np_", [1, 3])
+def test_interpreter_exit_without_shutdown_is_clean(np_):
+    import subprocess
+    import sys
+    from mpirun import mpirun_command
+    proc = subprocess.run(mpirun_command(np_) + [sys.executable, "-c", EXIT_SCRIPT],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(l for l in proc.stdout.splitlines() if "leaving" in l) == \
+        [f"rank {r} leaving" for r in range(np_)]
