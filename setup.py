@@ -6,7 +6,7 @@ at install time; the launcher sources in ``launcher/`` install as the
 """
 import os
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 VERSION = "0.1.0"
 
@@ -24,12 +24,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=[
-        "horolite",
-        "horolite.transport",
-        "horolite.tensorflow",
-        "horolite.launcher",
-    ],
+    packages=find_packages(include=["horolite", "horolite.*"]) + ["horolite.launcher"],
     package_dir={"horolite.launcher": "launcher"},
     setup_requires=["cffi>=1.15"],
     cffi_modules=["native/build_native.py:ffibuilder"],
