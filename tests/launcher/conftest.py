@@ -29,20 +29,25 @@ exec(compile(open(_init).read(), _init, "exec"))
 
 @pytest.fixture(scope="session")
 def launcher(tmp_path_factory):
-    """(argv prefix, env) that run horolite-run from this checkout."""
+    """(argv prefix, env, cwd) that run horolite-run from this checkout.
+
+    The cwd is outside the checkout: ``python -m`` puts the cwd first on sys.path,
+    and the checkout's horolite/ has no launcher subpackage (it is mapped in).
+    """
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cwd = str(tmp_path_factory.mktemp("cwd"))
     if os.environ.get("HOROLITE_TEST_LAUNCHER"):
-        return shlex.split(os.environ["HOROLITE_TEST_LAUNCHER"]), env
+        return shlex.split(os.environ["HOROLITE_TEST_LAUNCHER"]), env, cwd
     probe = subprocess.run(
         [sys.executable, "-c", "import horolite.launcher as l; print(l.__file__)"],
         capture_output=True, text=True, cwd="/")
     if probe.returncode == 0 and probe.stdout.strip().startswith(os.path.join(REPO, "launcher")):
-        return [sys.executable, "-m", "horolite.launcher"], env
+        return [sys.executable, "-m", "horolite.launcher"], env, cwd
     shim = tmp_path_factory.mktemp("shim")
     (shim / "horolite").mkdir()
     (shim / "horolite" / "__init__.py").write_text(_SHIM.format(repo=REPO))
     env["PYTHONPATH"] = os.pathsep.join([str(shim)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return [sys.executable, "-m", "horolite.launcher"], env
+    return [sys.executable, "-m", "horolite.launcher"], env, cwd
 
 
 class Run:
@@ -53,11 +58,11 @@ class Run:
 @pytest.fixture
 def run(launcher):
     def run(*args, timeout=60, env=None):
-        argv, base = launcher
+        argv, base, cwd = launcher
         full = dict(base, **(env or {}))
         start = time.monotonic()
         proc = subprocess.run(argv + [str(a) for a in args], capture_output=True, text=True,
-                              env=full, timeout=timeout, stdin=subprocess.DEVNULL)
+                              env=full, timeout=timeout, stdin=subprocess.DEVNULL, cwd=cwd)
         return Run(proc, proc.stdout, proc.stderr, time.monotonic() - start)
     return run
 
@@ -68,10 +73,10 @@ def start(launcher):
     procs = []
 
     def start(*args, env=None):
-        argv, base = launcher
+        argv, base, cwd = launcher
         proc = subprocess.Popen(argv + [str(a) for a in args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=dict(base, **(env or {})),
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, cwd=cwd)
         procs.append(proc)
         return proc
     yield start
@@ -93,7 +98,7 @@ def marks(outdir):
 
 def processes_with(token):
     """Lines of the process table whose command line contains ``token``."""
-    out = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines()[1:] if token in line and "ps -eo" not in line
             and " Z " not in line and not line.split()[2].startswith("Z")]
 

@@ -1,3 +1,3 @@
 #!/bin/sh
 # Stands in for ssh to a host that never answers (used with --start-timeout tests).
-exec sleep 300
+exec sleep 311

@@ -1,0 +1,158 @@
+"""horolite-run end to end: real mpirun, real ranks, real failures; the process table is checked."""
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import HANG_SSH, PROBE, marks, processes_with, wait_for_marks, wait_until_gone
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    is None, reason="no mpirun installed")
+
+
+def _is_openmpi():
+    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
+                          + os.environ["PATH"])
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    return "Open MPI" in out
+
+
+def assert_no_processes(token, seconds=5.0):
+    left = wait_until_gone(token, seconds)
+    assert not left, "processes left behind:\n" + "\n".join(left)
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+def test_every_rank_sees_its_rank_size_and_tunables(run, tmp_path, np_):
+    r = run("-np", np_, "--fusion-threshold-mb", "32", "--cycle-time-ms", "2",
+            "--cache-capacity", "64", "--no-stall-check", "--log-level", "error",
+            "-x", "PROBE_PASSED", "-x", "PROBE_SET=a b", "--verbose",
+            sys.executable, PROBE, tmp_path, "--print", "1",
+            env={"PROBE_PASSED": "yes"})
+    assert r.returncode == 0, r.stderr
+    found = marks(tmp_path)
+    assert set(found) == set(range(np_))
+    for rank, mark in found.items():
+        assert (mark["rank"], mark["size"]) == (rank, np_)
+        assert mark["allreduce"] == np_  # the ranks formed one job
+        assert mark["env"] == {
+            "HOROLITE_FUSION_THRESHOLD": "33554432", "HOROLITE_CYCLE_TIME": "2",
+            "HOROLITE_CACHE_CAPACITY": "64", "HOROLITE_STALL_CHECK_DISABLE": "1",
+            "HOROLITE_LOG_LEVEL": "ERROR", "PROBE_PASSED": "yes", "PROBE_SET": "a b"}
+        assert f"[{rank}]<stdout>:out line 0 of rank {rank}\n" in r.stdout
+        assert f"[{rank}]<stderr>:err line 0 of rank {rank}\n" in r.stderr
+    assert "##horolite-run##" not in r.stderr + r.stdout  # markers are consumed
+    assert "horolite-run: " in r.stderr and "mpirun" in r.stderr  # --verbose shows the command
+    assert_no_processes(str(tmp_path), 2)
+
+
+def test_output_filename_writes_each_ranks_files(run, tmp_path):
+    logs = tmp_path / "logs"
+    (tmp_path / "m").mkdir()
+    r = run("-np", "2", "--output-filename", logs, sys.executable, PROBE, tmp_path / "m",
+            "--print", "2")
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        out = (logs / f"rank.{rank}" / "stdout").read_text()
+        err = (logs / f"rank.{rank}" / "stderr").read_text()
+        assert out == f"out line 0 of rank {rank}\nout line 1 of rank {rank}\n"
+        assert f"err line 1 of rank {rank}\n" in err
+        assert f"[{rank}]<stdout>:out line 1 of rank {rank}" in r.stdout  # still on the terminal
+    assert sorted(os.listdir(logs)) == ["rank.0", "rank.1"]
+
+
+def test_check_build(run):
+    r = run("--check-build", timeout=180)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("horolite v")
+    tf = "[X] TensorFlow" if importlib.util.find_spec("tensorflow") else "[ ] TensorFlow"
+    assert any(line.strip().startswith(tf) for line in lines), r.stdout
+    impl = "Open MPI" if _is_openmpi() else "MPICH"
+    controller = [line for line in lines if "MPI (" in line and "mpirun:" in line]
+    assert controller and controller[0].strip().startswith("[X] MPI") and impl in controller[0]
+    assert any(line.strip().startswith("[ ] NCCL (not available:") for line in lines) or \
+        any(line.strip().startswith("[X] NCCL") for line in lines)
+    if importlib.util.find_spec("cupy") is None:
+        assert "cupy is not installed" in r.stdout
+
+
+def test_version(run):
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.startswith("horolite-run 0.")
+
+
+def test_rank_that_dies_with_code_3_stops_the_job(run, tmp_path):
+    # Rank 1 dies at once (no MPI_Finalize); the others would sleep for a minute.
+    r = run("-np", "3", sys.executable, PROBE, tmp_path, "--fail-rank", "1",
+            "--fail-how", "hard-exit", "--fail-code", "3", "--sleep", "60")
+    assert r.returncode == 3, r.stderr
+    assert "job failed: rank 1 (host" in r.stderr and "exited with code 3" in r.stderr
+    assert r.seconds < 20
+    assert_no_processes(str(tmp_path))
+
+
+def test_sys_exit_3_while_others_train(run, tmp_path):
+    # The runtime's shutdown reaches the other ranks, whose collectives fail.
+    r = run("-np", "2", sys.executable, PROBE, tmp_path, "--fail-rank", "1",
+            "--fail-how", "exit", "--fail-code", "3", "--train", "60")
+    assert r.returncode != 0
+    assert "rank 1 (host" in r.stderr and "exited with code 3" in r.stderr, r.stderr
+    assert r.seconds < 30
+    assert_no_processes(str(tmp_path))
+
+
+def test_rank_killed_with_sigkill_stops_the_others(run, tmp_path):
+    r = run("-np", "3", sys.executable, PROBE, tmp_path, "--fail-rank", "2", "--fail-how", "kill",
+            "--sleep", "60")
+    assert r.returncode != 0
+    assert "rank 2 (host" in r.stderr and "killed by signal 9 (SIGKILL)" in r.stderr, r.stderr
+    assert r.seconds < 20
+    assert_no_processes(str(tmp_path))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_launcher_ends_every_rank(start, tmp_path, signum):
+    proc = start("-np", "3", sys.executable, PROBE, tmp_path, "--sleep", "120")
+    assert wait_for_marks(tmp_path, 3), proc.stderr.read() if proc.poll() is not None else ""
+    assert len(processes_with(str(tmp_path))) >= 3
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    proc.wait(timeout=20)
+    assert time.monotonic() - sent < 10
+    assert proc.returncode == 128 + signum
+    assert f"stopped by {signal.Signals(signum).name}" in proc.stderr.read()
+    assert_no_processes(str(tmp_path))
+
+
+def test_unreachable_host_fails_within_start_timeout(run, tmp_path):
+    # A stand-in ssh that never connects: the remote rank never starts.
+    fake_ssh = (f"--mpi-args=--prtemca plm_ssh_agent {HANG_SSH}" if _is_openmpi()
+                else f"--mpi-args=-launcher-exec {HANG_SSH}")
+    r = run("-np", "2", "-H", "localhost:1,192.0.2.1:1", "--start-timeout", "3", fake_ssh,
+            sys.executable, PROBE, tmp_path, "--sleep", "60", timeout=60)
+    assert r.returncode != 0
+    assert "only 1 of 2 ranks started within --start-timeout 3s" in r.stderr, r.stderr
+    assert "missing ranks 1 (on 192.0.2.1)" in r.stderr
+    assert r.seconds < 15
+    assert_no_processes(str(tmp_path))
+    assert_no_processes(HANG_SSH)
+    assert_no_processes("sleep 311")
+
+
+def test_unknown_host_and_missing_command_fail_fast(run):
+    r = run("-np", "2", "-H", "no-such-host.invalid:2", "true")
+    assert r.returncode == 2 and "cannot resolve host 'no-such-host.invalid'" in r.stderr
+    r = run("-np", "2", "no-such-command-xyz")
+    assert r.returncode == 2 and "command not found" in r.stderr
+
+
+def test_no_mpi_is_a_clear_error(run):
+    r = run("-np", "2", "true", env={"HOROLITE_MPIRUN": "/nonexistent/mpirun"})
+    assert r.returncode == 2 and "no MPI found: pip install mpich" in r.stderr
