@@ -36,7 +36,7 @@ setup(
     extras_require={
         "tensorflow": ["tensorflow>=2.16", "scikit-learn"],
         "cuda": ["cupy-cuda12x", "nvidia-nccl-cu12"],
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "ml_dtypes"],
     },
     entry_points={
         "console_scripts": ["horolite-run = horolite.launcher.main:main"],
