@@ -1,0 +1,238 @@
+"""horolite for TensorFlow: Horovod's `horovod.tensorflow` API on the horolite runtime.
+
+    import horolite.tensorflow as hvd   # was: import horovod.tensorflow as hvd
+    hvd.init()
+    tape = hvd.DistributedGradientTape(tape)
+
+Works eagerly, inside `tf.function` and in TF1 graphs (`tf.compat.v1.Session`):
+the collectives are Python ops (`tf.numpy_function`), so pip alone installs it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import tensorflow as tf
+
+from horolite import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
+                      local_size, mpi_threads_supported, rank, shutdown, size)
+from horolite.errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
+                             ShutdownError, StallError, TensorMismatchError)
+from horolite.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+
+from .compression import Compression
+from .functions import (allgather_object, broadcast_global_variables, broadcast_object,
+                        broadcast_variables)
+from .gradients import GradientReducer, LocalAggregator, check_arguments
+from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allreduce, join,
+                      rank_op, reducescatter, size_op)
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
+    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+    "join", "barrier", "size_op", "rank_op", "Compression",
+    "broadcast_variables", "broadcast_object", "allgather_object",
+    "broadcast_global_variables", "BroadcastGlobalVariablesHook",
+    "DistributedGradientTape", "DistributedOptimizer",
+    "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
+    "ShutdownError", "StallError",
+]
+
+
+def _no_process_sets(process_set):
+    if process_set is not None:
+        raise NotImplementedError("horolite has no process sets: every collective spans all ranks "
+                                  "of init(comm)")
+
+
+# ------------------------------------------------------------------ tape ----
+
+# Aggregation state of DistributedGradientTape(backward_passes_per_step > 1):
+# the tape is usually created anew every step, so the state outlives it,
+# keyed by the variables it aggregates for.
+_tape_aggregators = {}
+
+
+class _DistributedGradientTapeMixin:
+    """Mixed into the wrapped tape's own class, so every other method still works."""
+
+    def _horolite_setup(self, reducer: GradientReducer, passes: int, average: bool):
+        self._horolite_reducer = reducer
+        self._horolite_passes = passes
+        self._horolite_average = average
+        self._horolite_local = set()
+
+    def register_local_source(self, source):
+        """Gradients of `source` stay local: they are returned as computed, never reduced."""
+        self._horolite_local.add(source.ref())
+
+    def _horolite_aggregator(self, sources) -> LocalAggregator:
+        if not all(isinstance(s, tf.Variable) for s in sources):
+            raise ValueError("backward_passes_per_step > 1 needs tf.Variable sources, "
+                             "since gradients are accumulated in variables of their shape")
+        key = (tuple(s.ref() for s in sources), self._horolite_passes, self._horolite_average)
+        agg = _tape_aggregators.get(key)
+        if agg is None:
+            agg = _tape_aggregators[key] = LocalAggregator(self._horolite_passes, self._horolite_average,
+                                                           self._horolite_reducer)
+        agg.reducer = self._horolite_reducer
+        return agg
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = super().gradient(target, sources, output_gradients=output_gradients,
+                                 unconnected_gradients=unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads)
+        local = [hasattr(s, "ref") and _is_ref_in(s, self._horolite_local) for s in flat_sources]
+        if self._horolite_passes > 1:
+            agg = self._horolite_aggregator(flat_sources)
+            reduced = agg(flat_grads, flat_sources, local)
+            self.gradients_ready = agg.should_apply() if not tf.executing_eagerly() else \
+                bool(agg.counter.numpy() == 0)
+        else:
+            reduced = self._horolite_reducer(flat_grads, flat_sources, local)
+            self.gradients_ready = True
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def _is_ref_in(source, refs) -> bool:
+    try:
+        return source.ref() in refs
+    except (TypeError, AttributeError):
+        return False
+
+
+def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",
+                            compression=Compression.none, sparse_as_dense: bool = False, op=Average,
+                            gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                            process_set=None, backward_passes_per_step: int = 1,
+                            average_aggregated_gradients: bool = False):
+    """Wrap a tf.GradientTape so `gradient()` returns gradients reduced over all ranks.
+
+    Gradients of None stay None; sources registered with
+    `register_local_source` keep their local gradient. With
+    `backward_passes_per_step=N > 1` (beyond Horovod), gradients are summed
+    locally and reduced on every N-th call only; the other calls return zeros,
+    and `tape.gradients_ready` says whether this call's result is the reduced
+    one (a bool, or a bool tensor inside graphs).
+    """
+    _no_process_sets(process_set)
+    check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
+    reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op,
+                              gradient_predivide_factor, num_groups, groups)
+    cls = type(gradtape.__class__.__name__, (_DistributedGradientTapeMixin, gradtape.__class__), {})
+    tape = cls.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)
+    tape._horolite_setup(reducer, int(backward_passes_per_step), average_aggregated_gradients)
+    return tape
+
+
+# ----------------------------------------------------- legacy optimizer ----
+
+class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
+    """Wraps a tf.compat.v1.train.Optimizer: compute_gradients reduces, apply_gradients applies."""
+
+    def __init__(self, optimizer, name=None, use_locking=False, compression=Compression.none,
+                 sparse_as_dense=False, backward_passes_per_step=1, op=Average,
+                 gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0,
+                 groups=None):
+        if name is None:
+            name = f"Distributed{type(optimizer).__name__}"
+        check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
+        super().__init__(name=name, use_locking=use_locking)
+        self._optimizer = optimizer
+        self._reducer = GradientReducer(name, compression, sparse_as_dense, op,
+                                        gradient_predivide_factor, num_groups, groups)
+        self._aggregator = (LocalAggregator(backward_passes_per_step, average_aggregated_gradients,
+                                            self._reducer)
+                            if backward_passes_per_step > 1 else None)
+
+    def compute_gradients(self, *args, **kwargs):
+        """The wrapped optimizer's (gradient, variable) pairs with the gradients reduced.
+
+        With backward_passes_per_step=N > 1: on the N-th call, the reduced sum
+        (or mean, with average_aggregated_gradients) of the N local gradients;
+        on the other calls, zeros of each variable's shape (None stays None).
+        """
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        if not pairs:
+            return pairs
+        grads, variables = zip(*pairs)
+        if self._aggregator is not None:
+            reduced = self._aggregator(list(grads), list(variables))
+        else:
+            reduced = self._reducer(list(grads), list(variables))
+        return list(zip(reduced, variables))
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        """Apply; with backward_passes_per_step > 1, only right after a communicating call."""
+        grads_and_vars = list(grads_and_vars)
+        if self._aggregator is None:
+            return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+        if tf.executing_eagerly():
+            if int(self._aggregator.counter.numpy()) == 0:
+                return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+            return None
+        deps = [g.values if isinstance(g, tf.IndexedSlices) else g for g, _ in grads_and_vars if g is not None]
+        with tf.control_dependencies(deps):
+            ready = self._aggregator.should_apply()
+
+        def apply():
+            op = self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+            with tf.control_dependencies([op]):
+                return tf.constant(True)
+
+        return tf.group(tf.cond(ready, apply, lambda: tf.constant(False)))
+
+    def get_slot(self, *args, **kwargs):
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        return self._optimizer.variables(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: bool = False,
+                         device_dense: str = "", device_sparse: str = "",
+                         compression=Compression.none, sparse_as_dense: bool = False,
+                         backward_passes_per_step: int = 1, op=Average,
+                         gradient_predivide_factor: float = 1.0,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups=None, process_set=None):
+    """Horovod's DistributedOptimizer: a tf.compat.v1.train.Optimizer (legacy, graph or eager)
+    or a Keras optimizer (then see horolite.tensorflow.keras.DistributedOptimizer)."""
+    _no_process_sets(process_set)
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        return _DistributedOptimizer(optimizer, name, use_locking, compression, sparse_as_dense,
+                                     backward_passes_per_step, op, gradient_predivide_factor,
+                                     average_aggregated_gradients, num_groups, groups)
+    from . import keras as _keras
+    return _keras.DistributedOptimizer(
+        optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
+        backward_passes_per_step=backward_passes_per_step, op=op,
+        gradient_predivide_factor=gradient_predivide_factor,
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+        groups=groups)
+
+
+# ------------------------------------------------------------- TF1 hook ----
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """TF1: broadcast every global variable from root_rank once the session exists
+    (use with MonitoredTrainingSession), so all ranks start from the same state."""
+
+    def __init__(self, root_rank: int, device: str = ""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.bcast_op = None
+
+    def begin(self):
+        if self.bcast_op is None or self.bcast_op.graph != tf.compat.v1.get_default_graph():
+            self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session, coord):
+        session.run(self.bcast_op)

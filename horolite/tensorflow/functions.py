@@ -1,0 +1,93 @@
+"""Broadcasting variables and Python objects, gathering objects."""
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, List, Optional
+
+import numpy as np
+import tensorflow as tf
+
+import horolite as _core
+from horolite.errors import HorovodInternalError
+
+from .mpi_ops import broadcast, graph_unique_name, to_tf_error, wait, _enqueue
+
+__all__ = ["broadcast_variables", "broadcast_object", "allgather_object",
+           "broadcast_global_variables", "variable_name"]
+
+
+def variable_name(var, index: int) -> str:
+    """A name for a variable's collective: its index (unique) and its path or name (readable)."""
+    label = getattr(var, "path", None) or getattr(var, "name", None) or "var"
+    return f"{index}.{label.replace(':', '_')}"
+
+
+def broadcast_variables(variables, root_rank: int, name: Optional[str] = None):
+    """Assign root_rank's value to every variable on every rank.
+
+    Eagerly this runs at once and returns None; in a graph it returns the op.
+    All broadcasts are enqueued before any is awaited, so they fuse.
+    """
+    variables = list(variables)
+    prefix = name or "broadcast_variables"
+    if not tf.executing_eagerly():
+        prefix = graph_unique_name(prefix)
+    root_rank = int(root_rank)
+    hids = []
+    for i, var in enumerate(variables):
+        vname = f"{prefix}.{variable_name(var, i)}"
+        value = var.read_value() if not tf.executing_eagerly() else tf.convert_to_tensor(var)
+        hids.append(_enqueue(lambda a, n=vname: _core.broadcast_async(a, root_rank, n), [value]))
+    assigns = []
+    with tf.control_dependencies([h for h in hids if isinstance(h, tf.Tensor)] if not tf.executing_eagerly() else None):
+        for var, hid in zip(variables, hids):
+            value = wait(hid, [var.dtype.base_dtype], [var.shape])[0]
+            assigns.append(var.assign(value))
+    if tf.executing_eagerly():
+        return None
+    return tf.group(*assigns)
+
+
+def broadcast_global_variables(root_rank: int):
+    """TF1: an op that broadcasts every global variable from root_rank."""
+    if tf.executing_eagerly():
+        raise RuntimeError("broadcast_global_variables() needs a TF1 graph; eagerly, use "
+                           "broadcast_variables(model.variables, root_rank)")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank,
+                               name="broadcast_global_variables")
+
+
+def _sync(fn):
+    try:
+        return fn()
+    except HorovodInternalError as e:
+        raise to_tf_error(e) from e
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """Pickle `obj` on root_rank and return a copy on every rank (eager, Python-level)."""
+    name = name or "broadcast_object"
+    if _core.rank() == root_rank:
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+        length = np.array([payload.size], np.int64)
+    else:
+        payload, length = None, np.zeros(1, np.int64)
+    length = _sync(lambda: _core.broadcast(length, root_rank, name=f"{name}.length"))
+    if payload is None:
+        payload = np.zeros(int(length[0]), np.uint8)
+    data = _sync(lambda: _core.broadcast(payload, root_rank, name=f"{name}.data"))
+    return pickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
+    """Every rank's `obj`, as a list indexed by rank."""
+    name = name or "allgather_object"
+    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+    lengths = _sync(lambda: _core.allgather(np.array([payload.size], np.int64), name=f"{name}.length"))
+    data = _sync(lambda: _core.allgather(payload, name=f"{name}.data"))
+    out, start = [], 0
+    for n in lengths.tolist():
+        out.append(pickle.loads(data[start:start + n].tobytes()))
+        start += n
+    return out

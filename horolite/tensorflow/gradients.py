@@ -1,0 +1,243 @@
+"""Reducing a step's gradients, and local gradient aggregation.
+
+`GradientReducer` is what DistributedGradientTape and both DistributedOptimizers
+share. It enqueues every gradient as soon as it exists (in reverse list order,
+since backprop produces the last layers' gradients first) and only then waits:
+every wait op has a control dependency on all the enqueue ops of the step.
+
+`LocalAggregator` sums gradients locally over `backward_passes_per_step`
+calls and reduces the sum once, on the last call.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+import horolite as _core
+from horolite.ops import ReduceOp
+
+from .compression import Compression
+from .functions import variable_name
+from .mpi_ops import _check_op, _enqueue, graph_unique_name, wait
+
+__all__ = ["GradientReducer", "LocalAggregator", "check_arguments"]
+
+
+def check_arguments(op, gradient_predivide_factor: float, backward_passes_per_step: int = 1):
+    """Validate the constructor arguments shared by the tape and the optimizers."""
+    op = _check_op(op)
+    if gradient_predivide_factor != 1.0 and op != ReduceOp.AVERAGE:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} is only supported "
+                         f"with op=Average, not {op.name}")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor}")
+    if int(backward_passes_per_step) < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    return op
+
+
+class GradientReducer:
+    def __init__(self, name: str, compression=Compression.none, sparse_as_dense: bool = False,
+                 op=ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups=None):
+        self.op = check_arguments(op, gradient_predivide_factor)
+        self.name = name
+        self.compression = compression or Compression.none
+        self.sparse_as_dense = sparse_as_dense
+        if self.op == ReduceOp.AVERAGE:
+            # The runtime divides by size for Average; split the rest around the sum.
+            self.prescale = 1.0 / gradient_predivide_factor
+            self.postscale = float(gradient_predivide_factor)
+        else:
+            self.prescale = self.postscale = 1.0
+        if isinstance(groups, int):
+            num_groups, groups = groups, None
+        if num_groups and num_groups < 0:
+            raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+        self.num_groups = int(num_groups or 0)
+        if groups is not None:
+            groups = [[v.ref() for v in group] for group in groups]
+            seen = [r for group in groups for r in group]
+            if len(seen) != len(set(seen)):
+                raise ValueError("groups: a variable appears in more than one group")
+        self.groups = groups
+
+    # -- planning --
+    def _group_indices(self, dense: List[int], variables) -> List[List[int]]:
+        """Which dense gradients travel together (one enqueue op per group)."""
+        if self.groups is not None:
+            where = {ref: k for k, group in enumerate(self.groups) for ref in group}
+            by_group = {}
+            singles = []
+            for i in dense:
+                var = variables[i] if variables is not None else None
+                k = where.get(var.ref()) if isinstance(var, tf.Variable) else None
+                if k is None:
+                    singles.append([i])
+                else:
+                    by_group.setdefault(k, []).append(i)
+            return [by_group[k] for k in sorted(by_group)] + singles
+        if self.num_groups:
+            n = min(self.num_groups, len(dense)) or 1
+            size, extra = divmod(len(dense), n)
+            out, start = [], 0
+            for k in range(n):
+                stop = start + size + (1 if k < extra else 0)
+                if stop > start:
+                    out.append(dense[start:stop])
+                start = stop
+            return out
+        return [[i] for i in dense]
+
+    def __call__(self, grads: Sequence, variables: Optional[Sequence] = None,
+                 local: Sequence[bool] = ()) -> List:
+        """The reduced gradients; None stays None, local ones are returned as they are."""
+        grads = list(grads)
+        out = list(grads)
+        n = len(grads)
+        local = list(local) or [False] * n
+        labels = [variable_name(variables[i] if variables is not None else None, i) for i in range(n)]
+        if self.sparse_as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        graph = not tf.executing_eagerly()
+        base = graph_unique_name(self.name) if graph else self.name
+        op, pre, post = self.op, self.prescale, self.postscale
+
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices) and not local[i]]
+        dense = [i for i, g in enumerate(grads)
+                 if g is not None and not local[i] and not isinstance(g, tf.IndexedSlices)]
+        if sparse and op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"{self.name}: gradients of {[labels[i] for i in sparse]} are tf.IndexedSlices, "
+                             f"which support only Average and Sum, not {op.name}; "
+                             "pass sparse_as_dense=True")
+        groups = self._group_indices(dense, variables)
+        jobs = []  # (order key, enqueue thunk, finish(hid) -> None)
+
+        for members in groups:
+            def job(members=members):
+                comp = [self.compression.compress(tf.convert_to_tensor(grads[i])) for i in members]
+                tensors = [c for c, _ in comp]
+                if len(members) == 1:
+                    nm = f"{base}.grad.{labels[members[0]]}"
+                    hid = _enqueue(lambda a, nm=nm: _core.allreduce_async(a, op, nm, pre, post), tensors)
+                else:
+                    nm = f"{base}.group.{labels[members[0]]}"
+                    hid = _enqueue(lambda *a, nm=nm: _core.grouped_allreduce_async(list(a), op, nm, pre, post),
+                                   tensors)
+
+                def finish(hid):
+                    results = wait(hid, [t.dtype for t in tensors], [t.shape for t in tensors])
+                    for i, r, (_, ctx) in zip(members, results, comp):
+                        out[i] = self.compression.decompress(r, ctx)
+                return hid, finish
+            jobs.append((max(members), job))
+
+        for i in sparse:
+            def job(i=i):
+                g = grads[i]
+                nm = f"{base}.grad.{labels[i]}"
+                hv = _enqueue(lambda a, nm=nm: _core.allgather_async(a, nm + ".values"), [g.values])
+                hi = _enqueue(lambda a, nm=nm: _core.allgather_async(a, nm + ".indices"), [g.indices])
+
+                def finish(_):
+                    values = wait(hv, [g.values.dtype], [tf.TensorShape([None]).concatenate(g.values.shape[1:])])[0]
+                    indices = wait(hi, [g.indices.dtype], [[None]])[0]
+                    scale = pre * post / (_core.size() if op == ReduceOp.AVERAGE else 1)
+                    if scale != 1.0:
+                        values = values * tf.cast(scale, values.dtype)
+                    out[i] = tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
+                return [hv, hi], finish
+            jobs.append((i, job))
+
+        # Enqueue in reverse list order (backprop's order), then wait for all.
+        jobs.sort(key=lambda j: -j[0])
+        started = [job() for _, job in jobs]
+        if graph:
+            hids = []
+            for hid, _ in started:
+                hids.extend(hid if isinstance(hid, list) else [hid])
+            with tf.control_dependencies(hids):
+                for hid, finish in started:
+                    finish(hid)
+        else:
+            for hid, finish in started:
+                finish(hid)
+        return out
+
+
+class LocalAggregator:
+    """Sum gradients locally for `passes` calls; reduce the sum on the last one.
+
+    State (a call counter and one accumulator per variable) lives in
+    non-trainable variables created on the first call. On the calls that do
+    not communicate, the returned gradients are zeros (dense, of each
+    variable's shape; None stays None); `apply` runs the update only when the
+    counter is back at 0, i.e. right after a communicating call.
+    """
+
+    def __init__(self, passes: int, average: bool, reducer: GradientReducer):
+        self.passes = int(passes)
+        self.average = bool(average)
+        self.reducer = reducer
+        self.counter = None
+        self.accumulators = None
+
+    def _build(self, grads, variables):
+        with tf.init_scope():
+            self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="horolite_agg_counter")
+            self.accumulators = [
+                None if g is None else tf.Variable(tf.zeros(v.shape, g.dtype), trainable=False,
+                                                   name="horolite_agg_" + variable_name(v, i).replace("/", "_").replace(".", "_"))
+                for i, (g, v) in enumerate(zip(grads, variables))]
+
+    def __call__(self, grads, variables, local=()):
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        if self.accumulators is None:
+            self._build(grads, variables)
+        elif len(self.accumulators) != len(grads):
+            raise ValueError(f"backward_passes_per_step: got {len(grads)} gradients, but the "
+                             f"aggregation state was built for {len(self.accumulators)}")
+        pairs = [(a, g) for a, g in zip(self.accumulators, grads) if g is not None]
+        updates = [a.assign_add(g) for a, g in pairs]
+        with tf.control_dependencies(updates if not tf.executing_eagerly() else None):
+            count = self.counter.assign_add(1)
+        ready = tf.equal(count, self.passes)
+
+        def communicate():
+            total = [None if a is None else a.read_value() for a in self.accumulators]
+            reduced = self.reducer(total, variables, local)
+            if self.average:
+                reduced = [r if r is None else r / tf.cast(self.passes, r.dtype) for r in reduced]
+            deps = [r for r in reduced if r is not None] if not tf.executing_eagerly() else None
+            with tf.control_dependencies(deps):
+                resets = [a.assign(tf.zeros_like(a)) for a in self.accumulators if a is not None]
+                resets.append(self.counter.assign(0))
+            with tf.control_dependencies(resets if not tf.executing_eagerly() else None):
+                return [tf.zeros_like(a) if r is None and a is not None else
+                        (None if r is None else tf.identity(r))
+                        for r, a in zip(reduced, self.accumulators)]
+
+        def skip():
+            return [None if a is None else tf.zeros_like(a) for a in self.accumulators]
+
+        if tf.executing_eagerly():
+            return communicate() if bool(ready) else skip()
+        present = [i for i, a in enumerate(self.accumulators) if a is not None]
+
+        def pick(fn):
+            def branch():
+                values = fn()
+                return [values[i] for i in present]
+            return branch
+        chosen = tf.cond(ready, pick(communicate), pick(skip))
+        if not isinstance(chosen, (list, tuple)):
+            chosen = [chosen]
+        out = [None] * len(self.accumulators)
+        for i, t in zip(present, chosen):
+            out[i] = t
+        return out
+
+    def should_apply(self):
+        """True (a bool tensor in graphs) right after a communicating call."""
+        return tf.equal(self.counter, 0)

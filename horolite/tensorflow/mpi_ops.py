@@ -1,0 +1,411 @@
+"""The bridge between TensorFlow and the runtime: two Python ops per collective.
+
+Every collective is split into an *enqueue* op, which hands the NumPy array to
+the runtime (`horolite.*_async`) and returns at once with an int64 handle id,
+and a *wait* op, which synchronizes that handle and returns the result. Both
+are `tf.numpy_function` ops marked stateful, so they run eagerly, inside
+`tf.function` and in TF1 graphs alike, with pip alone (no compiled TF op).
+
+Splitting matters inside graphs: a caller that reduces many tensors (the
+gradient tape, the optimizers) makes every wait op depend on *all* enqueue ops
+of the step. Enqueues never block, so no TensorFlow thread can sit in a wait
+while a tensor that another rank is waiting for still needs a thread to be
+enqueued: no cross-rank deadlock whatever order TensorFlow schedules in.
+
+Names: an explicit name is used as given in eager mode; in graphs it is made
+unique within the graph (`graph.unique_name`), and a missing name is derived
+from the input tensor's name there, so ranks that build the same graph agree.
+In eager mode a missing name falls back to the runtime's per-kind counters
+(ranks must then call in the same order, as in Horovod).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+import horolite as _core
+from horolite.errors import HorovodInternalError, NotInitializedError, ShutdownError
+from horolite.ops import Average, ReduceOp, Sum
+
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall",
+           "reducescatter", "join", "barrier", "size_op", "rank_op",
+           "enqueue_allreduce", "enqueue_grouped_allreduce", "wait",
+           "to_tf_error", "graph_unique_name"]
+
+# handle id -> horolite.Handle, between an enqueue op and its wait op.
+_handles = {}
+_handles_lock = threading.Lock()
+_ids = itertools.count(1)
+
+
+def _store(handle) -> np.int64:
+    hid = next(_ids)
+    with _handles_lock:
+        _handles[hid] = handle
+    return np.int64(hid)
+
+
+def _take(hid):
+    with _handles_lock:
+        return _handles.pop(int(hid))
+
+
+def to_tf_error(exc: BaseException) -> Exception:
+    """The TensorFlow error for a runtime error: the message (naming the tensor) is kept.
+
+    Ranks disagreeing, bad arguments and duplicate names become
+    FailedPreconditionError; a shutdown (or stall) becomes AbortedError.
+    """
+    msg = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ShutdownError):
+        return tf.errors.AbortedError(None, None, msg)
+    return tf.errors.FailedPreconditionError(None, None, msg)
+
+
+def _guarded(fn: Callable) -> Callable:
+    def run(*args):
+        try:
+            return fn(*args)
+        except (HorovodInternalError, NotInitializedError) as e:
+            raise to_tf_error(e) from e
+    return run
+
+
+# ---------------------------------------------------------------- naming ----
+
+def _normalize(name: str) -> str:
+    return name.replace(":", "_").replace("/", "_")
+
+
+def graph_unique_name(base: str) -> str:
+    """A name unique in the current graph (deterministic given the same graph construction)."""
+    graph = tf.compat.v1.get_default_graph()
+    name = graph.unique_name(base, mark_as_used=True)
+    outer = getattr(graph, "name", None) if hasattr(graph, "outer_graph") else None
+    return f"{outer}/{name}" if outer else name
+
+
+def _resolve_name(name: Optional[str], prefix: str, tensor) -> Optional[str]:
+    if tf.executing_eagerly():
+        return name  # None: the runtime's deterministic counters
+    if name is None:
+        tname = getattr(tensor, "name", None) or "tensor"
+        name = f"{prefix}_{_normalize(tname)}"
+    return graph_unique_name(name)
+
+
+# ---------------------------------------------------- the enqueue/wait ops ----
+
+def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor]):
+    """Run `submit(*arrays) -> Handle` as an op; returns the int64 handle id (a Python int eagerly)."""
+    # Copy: the runtime keeps the array after this op returns, and must never
+    # hold (or be the last to release) memory that TensorFlow owns.
+    fn = _guarded(lambda *arrays: _store(submit(*[np.array(a, copy=True) for a in arrays])))
+    if tf.executing_eagerly():
+        return fn(*[t.numpy() for t in tensors])
+    hid = tf.numpy_function(fn, list(tensors), tf.int64, stateful=True, name="HorolitEnqueue")
+    hid.set_shape([])
+    return hid
+
+
+def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence) -> List[tf.Tensor]:
+    """The wait op: synchronize handle `hid`; returns one tensor per dtype."""
+    np_dtypes = [d.as_numpy_dtype for d in dtypes]
+
+    def fetch(h):
+        result = _take(h).result()
+        if not isinstance(result, (list, tuple)):
+            result = [result]
+        return [np.asarray(r).astype(d, copy=False) for r, d in zip(result, np_dtypes)]
+
+    fn = _guarded(fetch)
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(r) for r in fn(hid)]
+    outs = tf.numpy_function(fn, [hid], list(dtypes), stateful=True, name="HorolitWait")
+    for out, shape in zip(outs, shapes):
+        out.set_shape(shape)
+    return list(outs)
+
+
+def _run(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes) -> List[tf.Tensor]:
+    return wait(_enqueue(submit, tensors), dtypes, shapes)
+
+
+def enqueue_allreduce(tensor: tf.Tensor, name: Optional[str], op=Average,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0):
+    """Enqueue op only (pair it with `wait(hid, [tensor.dtype], [tensor.shape])`)."""
+    op, pre, post = ReduceOp(op), float(prescale_factor), float(postscale_factor)
+    return _enqueue(lambda a: _core.allreduce_async(a, op, name, pre, post), [tensor])
+
+
+def enqueue_grouped_allreduce(tensors: Sequence[tf.Tensor], name: Optional[str], op=Average,
+                              prescale_factor: float = 1.0, postscale_factor: float = 1.0):
+    """One enqueue op for a group: it runs once every tensor exists, and they fuse together."""
+    op, pre, post = ReduceOp(op), float(prescale_factor), float(postscale_factor)
+    return _enqueue(lambda *a: _core.grouped_allreduce_async(list(a), op, name, pre, post),
+                    list(tensors))
+
+
+# ----------------------------------------------------------- collectives ----
+
+def _as_tensor(tensor) -> tf.Tensor:
+    if isinstance(tensor, tf.Variable):
+        return tensor.read_value() if not tf.executing_eagerly() else tf.convert_to_tensor(tensor)
+    return tf.convert_to_tensor(tensor)
+
+
+def _check_op(op) -> ReduceOp:
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"unknown reduce op {op!r}") from None
+    if op == ReduceOp.ADASUM:
+        raise ValueError("Adasum is not supported by horolite; use Average or Sum")
+    return op
+
+
+def _allreduce_raw(x: tf.Tensor, name, op, pre, post) -> tf.Tensor:
+    return _run(lambda a: _core.allreduce_async(a, op, name, pre, post), [x],
+                [x.dtype], [x.shape])[0]
+
+
+def _grad_name(name: Optional[str]) -> Optional[str]:
+    return None if name is None else f"{name}.grad"
+
+
+def _allreduce_dense(tensor: tf.Tensor, op, name, pre, post) -> tf.Tensor:
+    @tf.custom_gradient
+    def fn(x):
+        y = _allreduce_raw(x, name, op, pre, post)
+
+        def grad(dy):
+            return _allreduce_raw(tf.convert_to_tensor(dy), _resolve_name(_grad_name(name), "HorovodAllreduceGrad", dy),
+                                  op, pre, post)
+        return y, grad
+    return fn(tensor)
+
+
+def allreduce(tensor, op=Average, compression=None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: Optional[str] = None):
+    """Reduce `tensor` (tf.Tensor, tf.Variable or tf.IndexedSlices) over all ranks.
+
+    IndexedSlices become two allgathers (values and indices); Average then
+    divides the values by the number of ranks. Only Average and Sum are defined
+    for IndexedSlices (ValueError otherwise).
+    """
+    from .compression import Compression
+    compression = compression or Compression.none
+    op = _check_op(op)
+    if isinstance(tensor, tf.IndexedSlices):
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"allreduce of tf.IndexedSlices supports only Average and Sum, not {op.name}; "
+                             "pass sparse_as_dense=True to reduce them as dense tensors")
+        base = name
+        values = allgather(tensor.values, name=None if base is None else f"{base}.values")
+        indices = allgather(tensor.indices, name=None if base is None else f"{base}.indices")
+        scale = float(prescale_factor) * float(postscale_factor)
+        if op == ReduceOp.AVERAGE:
+            scale /= _core.size()
+        if scale != 1.0:
+            values = values * tf.cast(scale, values.dtype)
+        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+    tensor = _as_tensor(tensor)
+    name = _resolve_name(name, "HorovodAllreduce", tensor)
+    compressed, ctx = compression.compress(tensor)
+    reduced = _allreduce_dense(compressed, op, name, float(prescale_factor), float(postscale_factor))
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(tensors, op=Average, compression=None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, name: Optional[str] = None):
+    """Allreduce a list of tensors as one group (they negotiate and fuse together)."""
+    from .compression import Compression
+    compression = compression or Compression.none
+    op = _check_op(op)
+    tensors = [_as_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    name = _resolve_name(name, "HorovodGroupedAllreduce", tensors[0])
+    pre, post = float(prescale_factor), float(postscale_factor)
+    pairs = [compression.compress(t) for t in tensors]
+
+    def reduce_all(xs, nm):
+        hid = enqueue_grouped_allreduce(xs, nm, op, pre, post)
+        return wait(hid, [x.dtype for x in xs], [x.shape for x in xs])
+
+    @tf.custom_gradient
+    def fn(*xs):
+        ys = reduce_all(list(xs), name)
+
+        def grad(*dys):
+            dys = [tf.convert_to_tensor(d) for d in dys]
+            return reduce_all(dys, _resolve_name(_grad_name(name), "HorovodGroupedAllreduceGrad", dys[0]))
+        return ys, grad
+
+    reduced = fn(*[c for c, _ in pairs])
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
+
+
+def _allgather_raw(x: tf.Tensor, name) -> tf.Tensor:
+    return _run(lambda a: _core.allgather_async(a, name), [x], [x.dtype],
+                [tf.TensorShape([None]).concatenate(x.shape[1:])])[0]
+
+
+def allgather(tensor, name: Optional[str] = None) -> tf.Tensor:
+    """Concatenate every rank's tensor along the first dimension (which may differ per rank).
+
+    Gradient: the upstream gradient summed over ranks, then this rank's rows.
+    """
+    tensor = _as_tensor(tensor)
+    name = _resolve_name(name, "HorovodAllgather", tensor)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _allgather_raw(x, name)
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            summed = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodAllgatherGrad", dy),
+                                    ReduceOp.SUM, 1.0, 1.0)
+            rows = tf.shape(x, out_type=tf.int64)[:1]
+            all_rows = _allgather_raw(rows, _resolve_name(None if name is None else f"{name}.grad_rows",
+                                                          "HorovodAllgatherGradRows", rows))
+            start = tf.reduce_sum(all_rows[:_core.rank()])
+            return tf.slice(summed, tf.concat([[start], tf.zeros([tf.rank(dy) - 1], tf.int64)], 0),
+                            tf.shape(x, out_type=tf.int64))
+        return y, grad
+    return fn(tensor)
+
+
+def _broadcast_raw(x: tf.Tensor, root_rank: int, name) -> tf.Tensor:
+    return _run(lambda a: _core.broadcast_async(a, root_rank, name), [x], [x.dtype], [x.shape])[0]
+
+
+def broadcast(tensor, root_rank: int, name: Optional[str] = None) -> tf.Tensor:
+    """Every rank gets root_rank's tensor.
+
+    Gradient (as in Horovod): the upstream gradient summed over ranks on the
+    root, zeros on the other ranks.
+    """
+    tensor = _as_tensor(tensor)
+    root_rank = int(root_rank)
+    name = _resolve_name(name, "HorovodBroadcast", tensor)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _broadcast_raw(x, root_rank, name)
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            summed = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodBroadcastGrad", dy),
+                                    ReduceOp.SUM, 1.0, 1.0)
+            return summed if _core.rank() == root_rank else tf.zeros_like(summed)
+        return y, grad
+    return fn(tensor)
+
+
+def _alltoall_raw(x: tf.Tensor, splits: Optional[tf.Tensor], name):
+    """Always returns (rows received, splits received): the gradient needs the latter."""
+    out_shape = tf.TensorShape([None]).concatenate(x.shape[1:])
+    n = _core.size()
+
+    def submit(a, *s):
+        if s:
+            return _core.alltoall_async(a, s[0], name)
+        if a.ndim and a.shape[0] % n == 0:  # equal parts, but ask for the received splits too
+            return _core.alltoall_async(a, np.full(n, a.shape[0] // n, np.int64), name)
+        return _core.alltoall_async(a, None, name)  # the runtime reports the error
+    inputs = [x] if splits is None else [x, splits]
+    out, received = _run(submit, inputs, [x.dtype, tf.int64], [out_shape, [n]])
+    return out, received
+
+
+def alltoall(tensor, splits=None, name: Optional[str] = None):
+    """Send `splits[i]` rows to rank i (equal parts when splits is None).
+
+    Returns the rows received, and with splits given, also the rows received
+    from each rank (Horovod >= 0.26 returns both too). Gradient: the alltoall
+    of the upstream gradient back along the received splits.
+    """
+    tensor = _as_tensor(tensor)
+    name = _resolve_name(name, "HorovodAlltoall", tensor)
+    with_splits = splits is not None
+    splits_t = tf.cast(tf.convert_to_tensor(splits), tf.int64) if with_splits else None
+
+    @tf.custom_gradient
+    def fn(x):
+        out, received = _alltoall_raw(x, splits_t, name)
+
+        def grad(dy, *_):
+            dy = tf.convert_to_tensor(dy)
+            back, _ = _alltoall_raw(dy, received, _resolve_name(_grad_name(name), "HorovodAlltoallGrad", dy))
+            return back
+        return (out, received), grad
+
+    out, received = fn(tensor)
+    return (out, received) if with_splits else out
+
+
+def _reducescatter_raw(x: tf.Tensor, op, name) -> tf.Tensor:
+    return _run(lambda a: _core.reducescatter_async(a, op, name), [x], [x.dtype],
+                [tf.TensorShape([None]).concatenate(x.shape[1:])])[0]
+
+
+def reducescatter(tensor, op=Average, name: Optional[str] = None) -> tf.Tensor:
+    """Reduce over ranks; rank r keeps the r-th part of the first dimension
+    (the first rows % size ranks get one extra row).
+
+    Gradient: the allgather of the upstream gradient (divided by size for Average).
+    """
+    op = _check_op(op)
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"reducescatter supports Average and Sum, not {op.name}")
+    tensor = _as_tensor(tensor)
+    name = _resolve_name(name, "HorovodReducescatter", tensor)
+
+    @tf.custom_gradient
+    def fn(x):
+        y = _reducescatter_raw(x, op, name)
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)
+            g = _allgather_raw(dy, _resolve_name(_grad_name(name), "HorovodReducescatterGrad", dy))
+            if op == ReduceOp.AVERAGE:
+                g = g / tf.cast(_core.size(), g.dtype)
+            return g
+        return y, grad
+    return fn(tensor)
+
+
+def join() -> tf.Tensor:
+    """Wait for every rank to join; returns the last rank to join (an int32 tensor)."""
+    fn = _guarded(lambda: np.int32(_core.join()))
+    if tf.executing_eagerly():
+        return tf.constant(fn())
+    out = tf.numpy_function(fn, [], tf.int32, stateful=True, name="HorolitJoin")
+    out.set_shape([])
+    return out
+
+
+def barrier():
+    """Return once every rank has called barrier() (an op in graphs)."""
+    if tf.executing_eagerly():
+        try:
+            _core.barrier()
+        except HorovodInternalError as e:
+            raise to_tf_error(e) from e
+        return None
+    return tf.numpy_function(_guarded(lambda: (_core.barrier(), np.int32(0))[1]), [], tf.int32,
+                             stateful=True, name="HorolitBarrier")
+
+
+def size_op() -> tf.Tensor:
+    return tf.constant(_core.size(), tf.int32)
+
+
+def rank_op() -> tf.Tensor:
+    return tf.constant(_core.rank(), tf.int32)
