@@ -40,6 +40,7 @@ except Exception as e:
     print(json.dumps({"ok": False, "reason": f"import mpi4py failed: {type(e).__name__}: {e}"}))
 else:
     lib = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+    lib = lib.split(", package:")[0]  # Open MPI goes on with build details
     print(json.dumps({"ok": True, "detail": f"{lib}; mpi4py {mpi4py.__version__}"}))
 """
 

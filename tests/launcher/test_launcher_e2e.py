@@ -1,5 +1,5 @@
 """horolite-run end to end: real mpirun, real ranks, real failures; the process table is checked."""
-import importlib.util
+import re
 import os
 import shutil
 import signal
@@ -72,14 +72,16 @@ def test_check_build(run):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].startswith("horolite v")
-    tf = "[X] TensorFlow" if importlib.util.find_spec("tensorflow") else "[ ] TensorFlow"
+    has_tf = subprocess.run([sys.executable, "-c", "import tensorflow"], cwd="/",
+                            capture_output=True).returncode == 0
+    tf = "[X] TensorFlow" if has_tf else "[ ] TensorFlow"
     assert any(line.strip().startswith(tf) for line in lines), r.stdout
     impl = "Open MPI" if _is_openmpi() else "MPICH"
     controller = [line for line in lines if "MPI (" in line and "mpirun:" in line]
     assert controller and controller[0].strip().startswith("[X] MPI") and impl in controller[0]
     assert any(line.strip().startswith("[ ] NCCL (not available:") for line in lines) or \
         any(line.strip().startswith("[X] NCCL") for line in lines)
-    if importlib.util.find_spec("cupy") is None:
+    if subprocess.run([sys.executable, "-c", "import cupy"], cwd="/").returncode != 0:
         assert "cupy is not installed" in r.stdout
 
 
@@ -138,8 +140,9 @@ def test_unreachable_host_fails_within_start_timeout(run, tmp_path):
     r = run("-np", "2", "-H", "localhost:1,192.0.2.1:1", "--start-timeout", "3", fake_ssh,
             sys.executable, PROBE, tmp_path, "--sleep", "60", timeout=60)
     assert r.returncode != 0
-    assert "only 1 of 2 ranks started within --start-timeout 3s" in r.stderr, r.stderr
-    assert "missing ranks 1 (on 192.0.2.1)" in r.stderr
+    # MPICH starts the local rank at once; Open MPI waits for every host's daemon.
+    assert re.search(r"only [01] of 2 ranks started within --start-timeout 3s; "
+                     r"missing ranks (1|0, 1) \(on 192\.0\.2\.1", r.stderr), r.stderr
     assert r.seconds < 15
     assert_no_processes(str(tmp_path))
     assert_no_processes(HANG_SSH)
