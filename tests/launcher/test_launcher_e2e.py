@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import HANG_SSH, PROBE, marks, processes_with, wait_for_marks, wait_until_gone
+from launcher_util import HANG_SSH, PROBE, marks, processes_with, wait_for_marks, wait_until_gone
 
 pytestmark = pytest.mark.skipif(
     shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
