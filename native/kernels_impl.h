@@ -4,6 +4,9 @@
  * (appends the level's suffix) and the element helpers and macros used below;
  * the includer's `#pragma GCC target` decides what the loops compile to. Every
  * loop is a plain, branch-free element loop so that GCC vectorizes it.
+ * Defines reduce_<dtype><sfx>(acc, src, count, op, postscale) and
+ * scale_<dtype><sfx>(dst, src, count, factor) for the eight dtypes; op is
+ * already validated.
  */
 
 /* out[i] = STORE(COMB(LOAD(acc[i]), LOAD(src[i]))), C being the compute type */
@@ -92,31 +95,6 @@ HL_DEFINE_SCALE(scale_f16, uint16_t, hl_f16_to_f32, HL_SCALED_F16)
 HL_DEFINE_SCALE(scale_bf16, uint16_t, hl_bf16_to_f32, HL_SCALED_BF16)
 HL_DEFINE_SCALE(scale_f32, float, HL_ID, HL_SCALED_F32)
 HL_DEFINE_SCALE(scale_f64, double, HL_ID, HL_SCALED_F64)
-
-typedef int (*HL_SFX(reduce_fn))(void *, const void *, size_t, int, double);
-typedef int (*HL_SFX(scale_fn))(void *, const void *, size_t, double);
-
-/* indexed by dtype code */
-static const HL_SFX(reduce_fn) HL_SFX(reduce_table)[8] = {
-    HL_SFX(reduce_u8), HL_SFX(reduce_i8), HL_SFX(reduce_i32), HL_SFX(reduce_i64),
-    HL_SFX(reduce_f16), HL_SFX(reduce_bf16), HL_SFX(reduce_f32), HL_SFX(reduce_f64),
-};
-static const HL_SFX(scale_fn) HL_SFX(scale_table)[8] = {
-    HL_SFX(scale_u8), HL_SFX(scale_i8), HL_SFX(scale_i32), HL_SFX(scale_i64),
-    HL_SFX(scale_f16), HL_SFX(scale_bf16), HL_SFX(scale_f32), HL_SFX(scale_f64),
-};
-
-/* the level's entry points; dtype and op are already validated */
-static int HL_SFX(reduce)(void *acc, const void *src, size_t count, int dtype, int op,
-                          double postscale)
-{
-    return HL_SFX(reduce_table)[dtype](acc, src, count, op, postscale);
-}
-
-static int HL_SFX(scale)(void *dst, const void *src, size_t count, int dtype, double factor)
-{
-    return HL_SFX(scale_table)[dtype](dst, src, count, factor);
-}
 
 #undef HL_LOOP2
 #undef HL_DEFINE_REDUCE
