@@ -33,24 +33,23 @@ def test_lifecycle(np_):
 
 
 EXIT_SCRIPT = """
-import sys
+import os, sys
 import numpy as np
 import horolite as hvd
 hvd.init()
 hvd.allreduce(np.ones(3), name="x")
 # Left pending on purpose: only this rank submits it, and nobody calls shutdown().
 h = hvd.allreduce_async(np.ones(3), name="orphan.%d" % hvd.rank())
-print("rank", hvd.rank(), "leaving", flush=True)
+open(os.path.join(sys.argv[1], "left.%d" % hvd.rank()), "w").close()
 """
 
 
 @pytest.mark.parametrize("np_", [1, 3])
-def test_interpreter_exit_without_shutdown_is_clean(np_):
+def test_interpreter_exit_without_shutdown_is_clean(np_, tmp_path):
     import subprocess
     import sys
     from mpirun import mpirun_command
-    proc = subprocess.run(mpirun_command(np_) + [sys.executable, "-c", EXIT_SCRIPT],
+    proc = subprocess.run(mpirun_command(np_) + [sys.executable, "-c", EXIT_SCRIPT, str(tmp_path)],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(l for l in proc.stdout.splitlines() if "leaving" in l) == \
-        [f"rank {r} leaving" for r in range(np_)]
+    assert sorted(os.listdir(tmp_path)) == sorted(f"left.{r}" for r in range(np_))
