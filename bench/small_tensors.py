@@ -1,0 +1,123 @@
+"""Small tensors: a step of many 4 KiB gradients, and single-call latency.
+
+A step is 200 float32 tensors of 4 KiB each (the shape of a model's many
+small gradients), reduced
+- with one grouped_allreduce,
+- as 200 allreduce_async calls then a synchronize of each,
+- as 200 separate MPI_Allreduce calls through mpi4py (the peer).
+Plus the latency of one synchronous 4 KiB and one 1 MiB allreduce, against
+MPI_Allreduce. Default settings (no HOROLITE_* variable) unless you set them.
+
+    horolite-run -np 2 python bench/small_tensors.py
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+import common
+from common import Target, human_bytes, median_time
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def main(argv=None) -> None:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--tensors", type=int, default=200, help="tensors per step")
+    p.add_argument("--tensor-bytes", type=int, default=4 * KiB)
+    p.add_argument("--steps", type=int, default=200, help="timed steps per variant")
+    p.add_argument("--latency-iters", type=int, default=1000)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.tensors, args.steps, args.latency_iters = 10, 5, 10
+
+    comm = MPI.COMM_WORLD
+    n = comm.Get_size()
+    common.wait_until_quiet(comm, args.quiet_below, args.quiet_timeout)
+    count = args.tensor_bytes // 4
+    tensors = [np.full(count, float(i), dtype=np.float32) for i in range(args.tensors)]
+    outs = [np.empty_like(t) for t in tensors]
+    small, large = np.ones(KiB, dtype=np.float32), np.ones(MiB // 4, dtype=np.float32)
+    small_out, large_out = np.empty_like(small), np.empty_like(large)
+
+    def mpi_step():
+        for t, o in zip(tensors, outs):
+            comm.Allreduce(t, o, op=MPI.SUM)
+
+    res = {}
+    # The peer first, with no horolite thread running.
+    res["mpi_step_s"] = median_time(mpi_step, args.steps, comm=comm)
+    res["mpi_4KiB_s"] = median_time(lambda: comm.Allreduce(small, small_out, op=MPI.SUM),
+                                    args.latency_iters, comm=comm)
+    res["mpi_1MiB_s"] = median_time(lambda: comm.Allreduce(large, large_out, op=MPI.SUM),
+                                    max(10, args.latency_iters // 10), comm=comm)
+
+    import horolite as hvd
+    hvd.init()
+    names = [f"small.{i}" for i in range(args.tensors)]
+
+    def async_step():
+        handles = [hvd.allreduce_async(t, op=hvd.Sum, name=nm) for t, nm in zip(tensors, names)]
+        for h in handles:
+            hvd.synchronize(h)
+
+    res["grouped_step_s"] = median_time(
+        lambda: hvd.grouped_allreduce(tensors, op=hvd.Sum, name="group"), args.steps, comm=comm)
+    res["async_step_s"] = median_time(async_step, args.steps, comm=comm)
+    res["horolite_4KiB_s"] = median_time(lambda: hvd.allreduce(small, op=hvd.Sum, name="lat4k"),
+                                         args.latency_iters, comm=comm)
+    res["horolite_1MiB_s"] = median_time(lambda: hvd.allreduce(large, op=hvd.Sum, name="lat1m"),
+                                         max(10, args.latency_iters // 10), comm=comm)
+    hvd.shutdown()
+
+    ms = 1e3
+    step_label = f"{args.tensors} x {human_bytes(args.tensor_bytes)} step"
+    columns = ["what", "horolite ms", "MPI_Allreduce ms", "horolite / MPI"]
+    table = [
+        [f"{step_label}, grouped", f"{res['grouped_step_s'] * ms:.3f}",
+         f"{res['mpi_step_s'] * ms:.3f} ({args.tensors} calls)",
+         f"{res['grouped_step_s'] / res['mpi_step_s']:.2f}"],
+        [f"{step_label}, {args.tensors} async + synchronize", f"{res['async_step_s'] * ms:.3f}",
+         f"{res['mpi_step_s'] * ms:.3f} ({args.tensors} calls)",
+         f"{res['async_step_s'] / res['mpi_step_s']:.2f}"],
+        ["one 4 KiB allreduce", f"{res['horolite_4KiB_s'] * ms:.3f}",
+         f"{res['mpi_4KiB_s'] * ms:.3f}", f"{res['horolite_4KiB_s'] / res['mpi_4KiB_s']:.2f}"],
+        ["one 1 MiB allreduce", f"{res['horolite_1MiB_s'] * ms:.3f}",
+         f"{res['mpi_1MiB_s'] * ms:.3f}", f"{res['horolite_1MiB_s'] / res['mpi_1MiB_s']:.2f}"],
+    ]
+    targets = [Target("one synchronous 4 KiB allreduce", res["horolite_4KiB_s"] * ms, 0.3, "ms",
+                      False, LIMITS["latency"])]
+    if args.tensors == 200 and args.tensor_bytes == 4 * KiB:
+        targets += [
+            Target("200 x 4 KiB grouped, per step", res["grouped_step_s"] * ms, 1.0, "ms", False,
+                   LIMITS["grouped"]),
+            Target("200 x 4 KiB as 200 async calls, per step", res["async_step_s"] * ms, 3.0, "ms",
+                   False, LIMITS["async"]),
+        ]
+
+    def plot(ax):
+        labels = ["grouped step", "async step", "4 KiB", "1 MiB"]
+        h = [res[k] * ms for k in ("grouped_step_s", "async_step_s", "horolite_4KiB_s", "horolite_1MiB_s")]
+        m = [res[k] * ms for k in ("mpi_step_s", "mpi_step_s", "mpi_4KiB_s", "mpi_1MiB_s")]
+        x = np.arange(len(labels))
+        ax.bar(x - 0.2, h, 0.4, label="horolite")
+        ax.bar(x + 0.2, m, 0.4, label="MPI_Allreduce (mpi4py)")
+        ax.set_xticks(x, labels)
+        ax.set_yscale("log")
+        ax.set_ylabel("median time (ms)")
+        ax.legend(fontsize=8)
+
+    common.finish(comm, args, "small_tensors",
+                  {"tensors": args.tensors, "tensor_bytes": args.tensor_bytes,
+                   "steps": args.steps, "latency_iters": args.latency_iters, "results": res},
+                  columns, table, targets, plot)
+
+
+LIMITS = {
+    "latency": "see docs/benchmarks.md, 'Where the time goes'",
+    "grouped": "see docs/benchmarks.md, 'Where the time goes'",
+    "async": "see docs/benchmarks.md, 'Where the time goes'",
+}
+
+if __name__ == "__main__":
+    main()
