@@ -5,9 +5,11 @@ setup.py names it in ``cffi_modules``, so ``pip install .`` and
 development: ``python native/build_native.py`` compiles under ``build/cffi`` and
 copies ``_native*.so`` into ``horolite/``.
 """
+import glob
 import os
 import shutil
 import sys
+import sysconfig
 
 import cffi
 
@@ -60,11 +62,28 @@ def make_builder(relative):
 ffibuilder = make_builder(relative=os.path.abspath(os.getcwd()) == REPO)
 
 
+def _in_place_name(built):
+    # pip/setuptools name the module _native.abi3.so, cffi building against
+    # the limited API (not on debug or free-threaded Pythons); take the same
+    # name so the two kinds of build replace each other instead of the one
+    # with the preferred suffix (.cpython-3XX-...) silently shadowing the other.
+    limited = not hasattr(sys, "gettotalrefcount") and not sysconfig.get_config_var(
+        "Py_GIL_DISABLED")
+    if limited and built.endswith(".so"):
+        return "_native.abi3.so"
+    return os.path.basename(built)
+
+
 def build_in_place():
-    """Compile under build/cffi and copy the module into horolite/."""
+    """Compile under build/cffi and copy the module into horolite/, removing
+    other builds of it there (they could shadow this one)."""
     tmpdir = os.path.join(REPO, "build", "cffi")
     built = make_builder(relative=False).compile(tmpdir=tmpdir, verbose=True)
-    target = os.path.join(REPO, "horolite", os.path.basename(built))
+    package = os.path.join(REPO, "horolite")
+    for stale in glob.glob(os.path.join(package, "_native.*")):
+        if stale.endswith((".so", ".pyd")):
+            os.remove(stale)
+    target = os.path.join(package, _in_place_name(built))
     shutil.copyfile(built, target)
     print(f"copied {os.path.relpath(built, REPO)} -> {os.path.relpath(target, REPO)}")
     return target

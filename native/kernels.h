@@ -52,7 +52,7 @@ int hl_unpack(void *const *dsts, const void *src, const size_t *nbytes, size_t n
 /* Instruction-set levels: 0 = portable build, 1 = x86-64-v3 (AVX2, FMA, F16C).
  * hl_isa_name returns NULL for a level this build or this CPU cannot run.
  * hl_isa_set selects the level used by later calls (for tests and
- * benchmarks; the best supported level is chosen at load time) and returns 0,
+ * benchmarks; the best supported level is chosen on first use) and returns 0,
  * or -1 if the level is unavailable. */
 int hl_isa_get(void);
 int hl_isa_set(int level);
