@@ -31,6 +31,7 @@ VARIABLES = {
     "LOG_LEVEL": ("WARNING", "Logging level: TRACE, DEBUG, INFO, WARNING, ERROR, FATAL."),
     "AUTOTUNE": ("0", "1 tunes fusion threshold and cycle time online."),
     "AUTOTUNE_LOG": ("", "CSV file where autotune writes its samples."),
+    "AUTOTUNE_START": ("", "Where autotune starts, e.g. cycle_time_ms=50 (not held fixed)."),
 }
 
 
@@ -76,6 +77,7 @@ class Config:
     log_level: str = "WARNING"
     autotune: bool = False
     autotune_log: str = ""
+    autotune_start: str = ""
     # Names of the fields the user set explicitly (autotune holds them fixed).
     explicit: frozenset = frozenset()
 
@@ -92,6 +94,7 @@ _FIELDS = {
     "LOG_LEVEL": ("log_level", str),
     "AUTOTUNE": ("autotune", bool),
     "AUTOTUNE_LOG": ("autotune_log", str),
+    "AUTOTUNE_START": ("autotune_start", str),
 }
 
 _LOG_LEVELS = {"TRACE", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "FATAL", "CRITICAL"}

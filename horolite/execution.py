@@ -48,18 +48,29 @@ class Executor:
         self.fusion_threshold = fusion_threshold
         self.fusion = FusionBuffer(fusion_threshold)
         self.timeline = timeline
+        # GPU path: a device_execution.DeviceExecutor, set by the runtime when NCCL is up.
+        self.device = None
 
     # ---- entry points ----
-    def run(self, responses: Sequence[Response], entries: Sequence[Optional[Entry]]) -> None:
+    def set_fusion_threshold(self, threshold: int) -> None:
+        """Rank 0's value, adopted by every rank at the same cycle."""
+        self.fusion_threshold = threshold
+
+    def run(self, responses: Sequence[Response], entries: Sequence[Optional[Entry]]) -> int:
+        """Execute the responses in order; returns the bytes allreduced (autotune's measure)."""
         by_name = {resp.name: entry for resp, entry in zip(responses, entries)}
+        reduced = 0
         for batch in plan_batches(responses, _nbytes, self.fusion_threshold):
             batch_entries = [by_name[r.name] for r in batch]
             first = batch[0]
             try:
                 if first.error is not None:
                     self._complete(first, batch_entries[0], error=_error_for(first))
+                elif first.device != "cpu":
+                    self._run_device(batch, batch_entries)
                 elif first.kind == Kind.ALLREDUCE:
                     self._allreduce(batch, batch_entries)
+                    reduced += sum(_nbytes(r) for r in batch)
                 elif first.kind == Kind.ALLGATHER:
                     self._allgather(first, batch_entries[0])
                 elif first.kind == Kind.BROADCAST:
@@ -77,6 +88,14 @@ class Executor:
             except HorovodInternalError as e:
                 for resp, entry in zip(batch, batch_entries):
                     self._complete(resp, entry, error=e)
+        return reduced
+
+    def _run_device(self, batch: List[Response], entries: List[Optional[Entry]]) -> None:
+        """Tensors in GPU memory go to the NCCL side (device_execution.py)."""
+        if self.device is None:
+            raise InvalidCollectiveError(f"tensor '{batch[0].name}' is on {batch[0].device} but rank "
+                                         f"{self.rank} has no NCCL transport")
+        self.device.run(self, batch, entries)
 
     # ---- completion ----
     def _complete(self, resp: Response, entry: Optional[Entry], value=None, error=None) -> None:

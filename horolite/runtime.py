@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import config as config_mod
+from .autotune import Autotuner, parse_start
 from .errors import HorovodInternalError, ShutdownError, StallError
 from .execution import Executor
 from .messages import Kind, Response
@@ -28,11 +29,14 @@ from .stall import StallInspector
 from .tensor_queue import Entry, TensorQueue
 from .timeline import open_timeline
 from .transport.mpi import MPITransport, oversubscribed
+from .transport.nccl import create_nccl_transport
 
 __all__ = ["Runtime", "Topology"]
 
 _log = logging.getLogger("horolite")
 
+# Words before the cache bits in the control vector.
+_HEADER = 3
 # Flag bits in word 0 of the control vector.
 HAS_UNSENT = 1
 SHUTDOWN = 2
@@ -42,6 +46,8 @@ COORDINATOR = 8
 # A tensor waiting on cache bits this long falls back to full negotiation, so
 # rank 0 can see it (and report it if it stalls).
 CACHE_DEMOTE_SECONDS = 1.0
+# Longest pause between cycles while this rank has nothing in flight.
+IDLE_MAX_SECONDS = 0.02
 
 
 class Topology:
@@ -76,12 +82,20 @@ class Runtime:
         self.cache = ResponseCache(cfg.cache_capacity)
         self.timeline = open_timeline(cfg.timeline, self.rank)
         self.executor = Executor(self.transport, self.queue, cfg.fusion_threshold, self.timeline)
+        # GPU path (device.py, transport/nccl.py): collective over comm; NCCL only when every
+        # rank has a GPU, else None and the reason device arrays are refused.
+        self.nccl, self.nccl_reason = create_nccl_transport(comm, self.topology.local_rank)
+        if self.nccl is not None:
+            from .device_execution import DeviceExecutor
+            self.executor.device = DeviceExecutor(self.nccl, cfg.fusion_threshold)
         self.coordinator = Coordinator(self.size) if self.rank == 0 else None
         self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds)
                       if self.rank == 0 and not cfg.stall_check_disable else None)
         words = (cfg.cache_capacity + 63) // 64
         self._words = words
-        self._vector = np.zeros(1 + 2 * words, dtype=np.uint64)
+        # [flags, fusion threshold, cycle time in us, ready slots..., invalid slots...]:
+        # only rank 0 writes the two settings, so the OR hands every rank rank 0's values.
+        self._vector = np.zeros(_HEADER + 2 * words, dtype=np.uint64)
         self._reduced = np.zeros_like(self._vector)
         self._unsent: List[Entry] = []
         self._waiting: Dict[int, Entry] = {}  # cache slot -> entry waiting for all ranks
@@ -90,6 +104,11 @@ class Runtime:
         self._shutdown_requested = threading.Event()
         self._fatal: Optional[BaseException] = None
         self._demote_after = min(CACHE_DEMOTE_SECONDS, cfg.stall_check_time_seconds / 2)
+        self._cycle_seconds = cfg.cycle_time_ms / 1000.0
+        self.autotuner = (Autotuner(cfg, start=parse_start(cfg.autotune_start))
+                          if cfg.autotune and self.rank == 0 else None)
+        self._setting = ((self.autotuner.setting if self.autotuner else
+                          (cfg.fusion_threshold, cfg.cycle_time_ms)))
         _log.info("horolite runtime up: rank %d of %d on %s (local %d/%d)%s", self.rank,
                   self.size, self.topology.hostname, self.topology.local_rank,
                   self.topology.local_size, ", polling politely (oversubscribed)" if polite else "")
@@ -111,22 +130,29 @@ class Runtime:
                 _log.warning("rank %d: background thread did not stop within %.0f s "
                              "(another rank may have died); giving up on it", self.rank, timeout)
                 self._fail_pending(ShutdownError("horolite was shut down before this collective completed"))
+        if self.nccl is not None and not self._thread.is_alive():
+            self.nccl.close()  # GPU path: free the communicator so a later init() makes a new one
         self.timeline.close()
 
     # ---- background thread ----
     def _loop(self) -> None:
-        cycle = self.config.cycle_time_ms / 1000.0
+        idle_cycles = 0
         try:
             while True:
                 start = time.monotonic()
                 if not self._cycle():
                     break
-                remaining = cycle - (time.monotonic() - start)
-                if remaining > 0 and not self._unsent and not self._waiting:
-                    # Idle: start the next cycle as soon as work arrives.
-                    self.queue.wake.wait(remaining)
-                elif remaining > 0:
-                    time.sleep(remaining)
+                if self.queue.has_inflight():
+                    idle_cycles = 0
+                    remaining = self._cycle_seconds - (time.monotonic() - start)
+                    if remaining > 0:
+                        time.sleep(remaining)
+                else:
+                    # Nothing in flight here, so no other rank can be waiting on this one
+                    # until it submits: back off, and start a cycle as soon as work arrives.
+                    idle_cycles += 1
+                    pause = min(self._cycle_seconds * (1 + idle_cycles // 16), IDLE_MAX_SECONDS)
+                    self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))
         except BaseException as e:  # a bug: report it everywhere rather than hang the job
             _log.exception("rank %d: background thread failed", self.rank)
             self._fail_pending(HorovodInternalError(f"horolite background thread failed on rank "
@@ -181,18 +207,23 @@ class Runtime:
         vec = self._vector
         vec[:] = 0
         vec[0] = flags
+        if self.rank == 0:
+            vec[1] = self._setting[0]
+            vec[2] = int(round(self._setting[1] * 1000))
         if self._words:
-            ready = vec[1:1 + self._words]
+            ready = vec[_HEADER:_HEADER + self._words]
             ready[:] = np.uint64(0xFFFFFFFFFFFFFFFF)
             for slot in self._waiting:
                 ready[slot >> 6] &= ~np.uint64(1 << (slot & 63))
-            invalid = vec[1 + self._words:]
+            invalid = vec[_HEADER + self._words:]
             for slot in self._invalid:
                 invalid[slot >> 6] |= np.uint64(1 << (slot & 63))
         self._invalid.clear()
         self.transport.control_or(vec, self._reduced)
         out = self._reduced
         global_flags = int(out[0])
+        self.executor.set_fusion_threshold(int(out[1]))
+        self._cycle_seconds = int(out[2]) / 1e6
 
         if global_flags & SHUTDOWN:
             self._fail_pending(ShutdownError("horolite was shut down (shutdown() was called on a "
@@ -203,13 +234,13 @@ class Runtime:
         entries: List[Optional[Entry]] = []
         invalid_slots: List[int] = []
         if self._words:
-            invalid_slots = _bits(out[1 + self._words:])
+            invalid_slots = _bits(out[_HEADER + self._words:])
             for slot in invalid_slots:
                 entry = self._waiting.pop(slot, None)
                 if entry is not None:
                     self._unsent.append(entry)
                 self.cache.erase(slot)
-            ready_slots = _bits(~out[1:1 + self._words])
+            ready_slots = _bits(~out[_HEADER:_HEADER + self._words])
             for slot in ready_slots:
                 if slot in invalid_slots:
                     continue
@@ -246,7 +277,9 @@ class Runtime:
                 entries.append(entry)
 
         if responses:
-            self.executor.run(responses, entries)
+            reduced = self.executor.run(responses, entries)
+            if self.autotuner is not None and self.autotuner.observe(time.monotonic(), reduced):
+                self._setting = self.autotuner.setting
         if shutdown_message:
             self._fail_pending(StallError(shutdown_message))
             return False

@@ -27,6 +27,9 @@ class Entry:
     handle: Handle
     # Alltoall: rows for each destination rank.
     splits: Optional[np.ndarray] = None
+    # Device arrays: a CUDA event recorded on the caller's stream at submit (see device.py);
+    # the NCCL stream waits on it before reading the array.
+    ready: object = None
     submitted: float = field(default_factory=time.monotonic)
     responded: float = 0.0
 
@@ -52,6 +55,9 @@ class TensorQueue:
             self._new.append(entry)
         self.wake.set()
         return entry.handle
+
+    def has_inflight(self) -> bool:
+        return bool(self._inflight)
 
     def take_new(self) -> List[Entry]:
         with self._lock:

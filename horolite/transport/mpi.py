@@ -39,11 +39,7 @@ class Waiter:
         if not self.polite:
             req.Wait()
             return
-        spins = 0
-        while not req.Test():
-            spins += 1
-            if spins > 32:
-                time.sleep(0 if spins < 2000 else 5e-5)
+        self._poll(req.Test)
 
     def wait_all(self, reqs: Sequence[MPI.Request]) -> None:
         if not reqs:
@@ -51,11 +47,17 @@ class Waiter:
         if not self.polite:
             MPI.Request.Waitall(reqs)
             return
+        self._poll(lambda: MPI.Request.Testall(reqs))
+
+    @staticmethod
+    def _poll(test) -> None:
+        # Spin briefly (a neighbour that is running answers in microseconds), then
+        # yield, then sleep longer and longer so a descheduled neighbour gets the core.
         spins = 0
-        while not MPI.Request.Testall(reqs):
+        while not test():
             spins += 1
-            if spins > 32:
-                time.sleep(0 if spins < 2000 else 5e-5)
+            if spins > 64:
+                time.sleep(0 if spins < 256 else min(2e-6 * (spins - 255), 1e-3))
 
 
 class PointToPoint:
