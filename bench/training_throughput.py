@@ -1,0 +1,258 @@
+"""Training throughput: DistributedGradientTape against MultiWorkerMirroredStrategy.
+
+Images/sec of one Keras CNN on synthetic 32x32x3 images, every process with
+one TensorFlow thread (intra- and inter-op parallelism 1), measured in turn:
+1. one process alone (plain TensorFlow, no distribution): the scaling baseline;
+2. horolite: every rank of this job trains with hvd.DistributedGradientTape;
+3. tf.distribute.MultiWorkerMirroredStrategy: one worker per rank, started by
+   each rank as a child process, talking over loopback ports (TF_CONFIG).
+Scaling efficiency = images/sec of (2) / (ranks x images/sec of (1)).
+
+    horolite-run -np 2 python bench/training_throughput.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import common
+from common import Target
+
+HERE = os.path.abspath(__file__)
+
+
+def _tf(threads: int = 1):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    return tf
+
+
+def build_model(tf, args):
+    layers = tf.keras.layers
+    return tf.keras.Sequential([
+        tf.keras.Input((args.image, args.image, 3)),
+        layers.Conv2D(32, 3, activation="relu"),
+        layers.MaxPooling2D(),
+        layers.Conv2D(64, 3, activation="relu"),
+        layers.MaxPooling2D(),
+        layers.Flatten(),
+        layers.Dense(128, activation="relu"),
+        layers.Dense(10),
+    ])
+
+
+def synthetic_batch(tf, args, seed: int):
+    g = tf.random.Generator.from_seed(seed)
+    x = g.normal((args.batch, args.image, args.image, 3))
+    y = g.uniform((args.batch,), maxval=10, dtype=tf.int32)
+    return x, y
+
+
+def timed_loop(step, args, barrier=None) -> float:
+    """Seconds for args.steps steps after args.warmup steps."""
+    for _ in range(args.warmup):
+        step()
+    if barrier is not None:
+        barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    float(loss)  # wait for the last step's result
+    return time.perf_counter() - t0
+
+
+# ---- the three systems ----
+
+def run_single(args) -> dict:
+    tf = _tf()
+    model = build_model(tf, args)
+    opt = tf.keras.optimizers.SGD(0.01)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = synthetic_batch(tf, args, 0)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    seconds = timed_loop(step, args)
+    return {"seconds": seconds, "images_per_sec": args.batch * args.steps / seconds,
+            "parameters": int(sum(v.shape.num_elements() for v in model.trainable_variables))}
+
+
+def run_horolite(args, comm) -> dict:
+    tf = _tf()
+    import horolite.tensorflow as hvd
+    hvd.init()
+    tf.keras.utils.set_random_seed(0)  # the same initial weights on every rank
+    model = build_model(tf, args)
+    opt = tf.keras.optimizers.SGD(0.01)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = synthetic_batch(tf, args, hvd.rank())
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    seconds = timed_loop(step, args, barrier=comm.Barrier)
+    seconds = comm.allreduce(seconds, op=__import__("mpi4py.MPI", fromlist=["MAX"]).MAX)
+    hvd.shutdown()
+    n = comm.Get_size()
+    return {"seconds": seconds, "images_per_sec": n * args.batch * args.steps / seconds}
+
+
+def run_mwms_worker(args) -> dict:
+    ports = args.ports.split(",")
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+        "task": {"type": "worker", "index": args.index}})
+    tf = _tf()
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    n = strategy.num_replicas_in_sync
+    with strategy.scope():
+        model = build_model(tf, args)
+        opt = tf.keras.optimizers.SGD(0.01)
+    loss_obj = tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=tf.keras.losses.Reduction.NONE)
+    x, y = synthetic_batch(tf, args, args.index)
+
+    def replica_step():
+        with tf.GradientTape() as tape:
+            per_example = loss_obj(y, model(x, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=args.batch * n)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step():
+        per_replica = strategy.run(replica_step)
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    seconds = timed_loop(step, args)
+    return {"seconds": seconds, "replicas": n}
+
+
+# ---- orchestration (every rank of the horolite-run job) ----
+
+def _child(args, *extra) -> dict:
+    cmd = [sys.executable, HERE, "--batch", str(args.batch), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--image", str(args.image), *extra]
+    proc = subprocess.run(cmd, env=common.child_env({"PYTHONUNBUFFERED": "1"}),
+                          capture_output=True, text=True, timeout=args.child_timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{' '.join(extra)} worker failed (exit {proc.returncode}):\n"
+                       f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def _say(comm, what: str) -> None:
+    if comm.Get_rank() == 0:
+        print(f"[training_throughput] {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
+
+
+def orchestrate(args) -> None:
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    n, rank = comm.Get_size(), comm.Get_rank()
+    common.wait_until_quiet(comm, args.quiet_below, args.quiet_timeout)
+
+    _say(comm, "one process alone")
+    # 1. One process alone: rank 0 runs it while the others sleep (they must not spin).
+    single = _child(args, "--worker", "single") if rank == 0 else None
+    common.polite_barrier(comm)
+    single = comm.bcast(single)
+
+    _say(comm, "MultiWorkerMirroredStrategy")
+    # 3 before 2: MultiWorkerMirroredStrategy in child processes, started by every rank at once
+    # (before this process has imported TensorFlow or started horolite's thread).
+    ports = comm.bcast(",".join(str(common.free_port()) for _ in range(n)) if rank == 0 else None)
+    mine = _child(args, "--worker", "mwms", "--index", str(rank), "--ports", ports)
+    workers = comm.allgather(mine)
+    mwms_seconds = max(w["seconds"] for w in workers)
+    mwms = {"seconds": mwms_seconds, "images_per_sec": n * args.batch * args.steps / mwms_seconds,
+            "replicas": workers[0]["replicas"]}
+    common.polite_barrier(comm)
+
+    _say(comm, "horolite")
+    # 2. horolite in this process, on every rank.
+    horo = run_horolite(args, comm)
+
+    ratio = horo["images_per_sec"] / mwms["images_per_sec"]
+    efficiency = horo["images_per_sec"] / (n * single["images_per_sec"])
+    columns = ["system", "ranks", "images/sec", "vs one process"]
+    table = [
+        ["one process, plain TensorFlow", "1", f"{single['images_per_sec']:.1f}", "1.00"],
+        ["horolite DistributedGradientTape", str(n), f"{horo['images_per_sec']:.1f}",
+         f"{horo['images_per_sec'] / single['images_per_sec']:.2f}"],
+        ["MultiWorkerMirroredStrategy", str(n), f"{mwms['images_per_sec']:.1f}",
+         f"{mwms['images_per_sec'] / single['images_per_sec']:.2f}"],
+    ]
+    targets = [
+        Target("images/sec, horolite / MultiWorkerMirroredStrategy", ratio, 1.3, "x", True,
+               "see docs/benchmarks.md, 'Where the time goes'"),
+        Target(f"scaling efficiency ({n} ranks vs {n} x one process, 1 thread each)", efficiency,
+               0.9, "", True, "see docs/benchmarks.md, 'Where the time goes'"),
+    ]
+
+    def plot(ax):
+        names = ["1 process", f"horolite x{n}", f"MWMS x{n}"]
+        vals = [single["images_per_sec"], horo["images_per_sec"], mwms["images_per_sec"]]
+        ax.bar(names, vals, color=["gray", "C0", "C1"])
+        ax.axhline(n * single["images_per_sec"], color="k", ls="--", alpha=0.5,
+                   label=f"perfect scaling ({n} x 1 process)")
+        ax.set_ylabel("images/sec")
+        ax.legend(fontsize=8)
+
+    common.finish(comm, args, "training_throughput",
+                  {"model": "Conv32-Pool-Conv64-Pool-Dense128-Dense10", "parameters": single["parameters"],
+                   "batch_per_rank": args.batch, "image": args.image, "steps": args.steps,
+                   "warmup": args.warmup, "threads_per_process": 1, "single": single,
+                   "horolite": horo, "mwms": mwms, "ratio_vs_mwms": ratio,
+                   "scaling_efficiency": efficiency},
+                  columns, table, targets, plot)
+
+
+def main(argv=None) -> None:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=64, help="images per rank per step")
+    p.add_argument("--image", type=int, default=32, help="image side in pixels")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--child-timeout", type=float, default=900)
+    p.add_argument("--worker", choices=["single", "mwms"], help=argparse_hidden())
+    p.add_argument("--index", type=int, default=0, help=argparse_hidden())
+    p.add_argument("--ports", default="", help=argparse_hidden())
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.batch, args.image, args.steps, args.warmup = 8, 16, 3, 1
+    if args.worker == "single":
+        print("RESULT " + json.dumps(run_single(args)), flush=True)
+    elif args.worker == "mwms":
+        print("RESULT " + json.dumps(run_mwms_worker(args)), flush=True)
+    else:
+        orchestrate(args)
+
+
+def argparse_hidden():
+    import argparse
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    main()
