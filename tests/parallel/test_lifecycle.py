@@ -110,6 +110,15 @@ def test_init_on_a_subset_of_ranks():
     hvd.barrier()
 
 
+def test_every_rank_adopts_rank0_settings():
+    # Fusion planning must be identical everywhere: rank 0's threshold and cycle time rule.
+    reinit(HOROLITE_FUSION_THRESHOLD=str(1000 * (RANK + 1)), HOROLITE_CYCLE_TIME=str(RANK + 1))
+    hvd.allreduce(np.ones(2), name="adopt")
+    rt = hvd.basics.runtime()
+    assert rt.executor.fusion_threshold == 1000
+    assert rt._cycle_seconds == pytest.approx(0.001)
+
+
 @multi
 def test_stall_shutdown_ends_the_job_with_the_message():
     reinit(HOROLITE_STALL_CHECK_TIME_SECONDS="0.5", HOROLITE_STALL_SHUTDOWN_TIME_SECONDS="1.5")
