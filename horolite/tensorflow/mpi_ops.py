@@ -303,7 +303,11 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None) -> tf.Tensor:
             dy = tf.convert_to_tensor(dy)
             summed = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodBroadcastGrad", dy),
                                     ReduceOp.SUM, 1.0, 1.0)
-            return summed if _core.rank() == root_rank else tf.zeros_like(summed)
+            if _core.rank() == root_rank:
+                return summed
+            # Keep the allreduce in the graph on every rank: the root waits for it.
+            with tf.control_dependencies([summed]):
+                return tf.zeros_like(dy)
         return y, grad
     return fn(tensor)
 

@@ -1,0 +1,260 @@
+"""Rank side: every collective eagerly, in tf.function and in a TF1 graph, their
+gradients, compression, broadcasts of variables and objects, and the errors.
+
+Run by tests/test_matrix_tensorflow.py under mpirun -np 1..4. Each rank's input
+is a known function of its rank, so every result has a NumPy reference.
+"""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import horolite.tensorflow as hvd
+
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+MODES = ["eager", "function", "graph"]
+
+
+def value(r, shape=(2, 3), dtype=np.float32):
+    return (np.arange(int(np.prod(shape))).reshape(shape) + 10 * r).astype(dtype)
+
+
+def run(mode, fn, *inputs):
+    """Call fn on tensors made from the NumPy inputs in one of the three modes; NumPy results."""
+    if mode == "eager":
+        out = fn(*[tf.constant(a) for a in inputs])
+        return tf.nest.map_structure(lambda t: t.numpy(), out)
+    if mode == "function":
+        out = tf.function(fn)(*[tf.constant(a) for a in inputs])
+        return tf.nest.map_structure(lambda t: t.numpy(), out)
+    with tf.Graph().as_default():
+        outs = fn(*[tf.constant(a) for a in inputs])
+        with tf.compat.v1.Session() as sess:
+            return sess.run(outs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.float16])
+def test_allreduce_ops(mode, dtype):
+    x = value(R, dtype=dtype)
+    all_x = np.stack([value(r, dtype=dtype) for r in range(N)])
+    out = run(mode, lambda t: [hvd.allreduce(t, op=hvd.Sum), hvd.allreduce(t, op=hvd.Max),
+                                hvd.allreduce(t, op=hvd.Min)], x)
+    np.testing.assert_allclose(out[0], all_x.sum(0), rtol=1e-3)
+    np.testing.assert_array_equal(out[1], all_x.max(0))
+    np.testing.assert_array_equal(out[2], all_x.min(0))
+    assert out[0].dtype == dtype
+    if np.issubdtype(dtype, np.floating):
+        avg = run(mode, lambda t: hvd.allreduce(t, prescale_factor=2.0, postscale_factor=0.5), x)
+        np.testing.assert_allclose(avg, all_x.astype(np.float64).mean(0), rtol=1e-3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_variable_and_static_shape(mode):
+    def fn(t):
+        v = tf.Variable(t)
+        if mode == "graph":
+            return hvd.allreduce(t, op=hvd.Sum), tf.constant(0.0)
+        out = hvd.allreduce(v, op=hvd.Sum)
+        assert out.shape == (2, 3)
+        return out, tf.constant(0.0)
+    if mode == "function":  # variables must be created outside tf.function
+        v = tf.Variable(value(R))
+        out = tf.function(lambda: hvd.allreduce(v, op=hvd.Sum))()
+        assert out.shape == (2, 3)
+        np.testing.assert_allclose(out.numpy(), sum(value(r) for r in range(N)))
+        return
+    out = run(mode, fn, value(R))[0]
+    np.testing.assert_allclose(out, sum(value(r) for r in range(N)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allreduce(mode):
+    xs = [value(R, (3,)), value(R, (2, 2), np.float64)]
+    out = run(mode, lambda a, b: hvd.grouped_allreduce([a, b], op=hvd.Sum), *xs)
+    np.testing.assert_allclose(out[0], sum(value(r, (3,)) for r in range(N)))
+    np.testing.assert_allclose(out[1], sum(value(r, (2, 2)) for r in range(N)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allgather_uneven_and_bool(mode):
+    x = value(R, (R + 1, 2))
+    flags = np.array([R % 2 == 0] * (R + 1))
+    out = run(mode, lambda t, f: [hvd.allgather(t), hvd.allgather(f)], x, flags)
+    np.testing.assert_array_equal(out[0], np.concatenate([value(r, (r + 1, 2)) for r in range(N)]))
+    np.testing.assert_array_equal(out[1], np.concatenate([[r % 2 == 0] * (r + 1) for r in range(N)]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_broadcast(mode):
+    root = N - 1
+    out = run(mode, lambda t: hvd.broadcast(t, root), value(R))
+    np.testing.assert_array_equal(out, value(root))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall(mode):
+    # Equal parts: rank r sends 2 rows to every rank.
+    x = value(R, (2 * N, 3))
+    out = run(mode, lambda t: hvd.alltoall(t), x)
+    expect = np.concatenate([value(r, (2 * N, 3))[2 * R:2 * R + 2] for r in range(N)])
+    np.testing.assert_array_equal(out, expect)
+    # Uneven splits: rank r sends (j + 1) rows to rank j.
+    splits = np.arange(1, N + 1, dtype=np.int32)
+    rows = int(splits.sum())
+    out, received = run(mode, lambda t, s: hvd.alltoall(t, splits=s), value(R, (rows, 2)), splits)
+    offsets = np.concatenate([[0], np.cumsum(splits)])
+    expect = np.concatenate([value(r, (rows, 2))[offsets[R]:offsets[R + 1]] for r in range(N)])
+    np.testing.assert_array_equal(out, expect)
+    np.testing.assert_array_equal(received, [R + 1] * N)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reducescatter(mode):
+    rows = 2 * N + 1
+    x = value(R, (rows, 2))
+    out = run(mode, lambda t: hvd.reducescatter(t, op=hvd.Sum), x)
+    total = sum(value(r, (rows, 2)) for r in range(N))
+    base, extra = divmod(rows, N)
+    start = R * base + min(R, extra)
+    mine = base + (1 if R < extra else 0)
+    np.testing.assert_allclose(out, total[start:start + mine])
+
+
+def grads_of(mode, fn, x):
+    """d(sum(w * fn(x)))/dx with a rank-dependent weight w = rank + 1."""
+    w = float(R + 1)
+
+    def g(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            y = fn(t)
+            loss = tf.reduce_sum(w * tf.cast(y, tf.float32))
+        return tape.gradient(loss, t)
+
+    if mode == "graph":
+        with tf.Graph().as_default():
+            t = tf.constant(x)
+            loss = tf.reduce_sum(w * fn(t))
+            grad = tf.compat.v1.gradients(loss, t)[0]
+            with tf.compat.v1.Session() as sess:
+                return sess.run(grad)
+    return run(mode, g, x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients(mode):
+    x = value(R)
+    wsum = sum(r + 1.0 for r in range(N))
+    # allreduce(Sum): d/dx = sum over ranks of the upstream gradient
+    np.testing.assert_allclose(grads_of(mode, lambda t: hvd.allreduce(t, op=hvd.Sum), x),
+                               np.full(x.shape, wsum))
+    # allreduce(Average): the average of the upstream gradients
+    np.testing.assert_allclose(grads_of(mode, lambda t: hvd.allreduce(t), x),
+                               np.full(x.shape, wsum / N), rtol=1e-6)
+    # allgather: the reduced upstream gradient of this rank's rows
+    xg = value(R, (R + 1, 2))
+    np.testing.assert_allclose(grads_of(mode, lambda t: hvd.allgather(t), xg), np.full(xg.shape, wsum))
+    # broadcast: summed on the root, zeros elsewhere
+    expect = wsum if R == 0 else 0.0
+    np.testing.assert_allclose(grads_of(mode, lambda t: hvd.broadcast(t, 0), x), np.full(x.shape, expect))
+    # alltoall: gradient travels back to the sender; the weight is the receiver's
+    xa = value(R, (N, 2))
+    np.testing.assert_allclose(grads_of(mode, lambda t: hvd.alltoall(t), xa),
+                               np.repeat(np.arange(1.0, N + 1)[:, None], 2, axis=1))
+    # reducescatter(Sum): every row goes to one rank, which weights it
+    xr = value(R, (N, 2))
+    np.testing.assert_allclose(grads_of(mode, lambda t: hvd.reducescatter(t, op=hvd.Sum), xr),
+                               np.repeat(np.arange(1.0, N + 1)[:, None], 2, axis=1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_indexed_slices_allreduce(mode):
+    def fn(v, i):
+        s = tf.IndexedSlices(v, i, dense_shape=tf.constant([N, 2], tf.int64))
+        out = hvd.allreduce(s)
+        return tf.convert_to_tensor(out)
+    v = np.full((1, 2), R + 1.0, np.float32)
+    i = np.array([R], np.int64)
+    out = run(mode, fn, v, i)
+    expect = np.array([[r + 1.0, r + 1.0] for r in range(N)]) / N
+    np.testing.assert_allclose(out, expect)
+    with pytest.raises(ValueError, match="IndexedSlices"):
+        hvd.allreduce(tf.IndexedSlices(tf.constant(v), tf.constant(i)), op=hvd.Max)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp16_compression(mode):
+    x = value(R) / 7.0
+    out = run(mode, lambda t: hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16), x)
+    assert out.dtype == np.float32
+    expect = sum((value(r) / 7.0).astype(np.float16).astype(np.float32) for r in range(N))
+    np.testing.assert_allclose(out, expect, rtol=2e-3)
+    assert hvd.Compression.fp16.compress(tf.constant([1], tf.int32))[0].dtype == tf.int32
+
+
+def test_broadcast_variables_eager_and_graph():
+    tf.random.set_seed(R)  # differently initialised ranks
+    variables = [tf.Variable(tf.random.normal([3, 2])), tf.Variable(R, dtype=tf.int64)]
+    hvd.broadcast_variables(variables, root_rank=0)
+    vals = hvd.allgather_object([v.numpy() for v in variables])
+    for other in vals:
+        np.testing.assert_array_equal(other[0], vals[0][0])
+        assert other[1] == 0
+    with tf.Graph().as_default():
+        v = tf.compat.v1.get_variable("w", initializer=tf.constant(value(R)))
+        bcast = hvd.broadcast_global_variables(root_rank=N - 1)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(bcast)
+            np.testing.assert_array_equal(sess.run(v), value(N - 1))
+
+
+def test_broadcast_global_variables_hook():
+    with tf.Graph().as_default():
+        v = tf.compat.v1.get_variable("w", initializer=tf.constant(value(R)))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        hooks = [hvd.BroadcastGlobalVariablesHook(0)]
+        with tf.compat.v1.train.MonitoredSession(hooks=hooks) as sess:
+            np.testing.assert_array_equal(sess.run(v), value(0))
+
+
+def test_broadcast_and_allgather_object():
+    obj = {"rank": R, "payload": list(range(R + 3))}
+    assert hvd.broadcast_object(obj, root_rank=N - 1) == {"rank": N - 1, "payload": list(range(N + 2))}
+    assert hvd.allgather_object(obj) == [{"rank": r, "payload": list(range(r + 3))} for r in range(N)]
+
+
+def test_join_and_barrier():
+    hvd.barrier()
+    last = hvd.join()
+    assert 0 <= int(last) < N
+
+
+def test_basics_reexported():
+    assert hvd.rank() == R and hvd.size() == N and hvd.is_initialized()
+    assert 0 <= hvd.local_rank() < hvd.local_size()
+    assert isinstance(hvd.mpi_threads_supported(), bool)
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.allreduce(tf.constant([1.0]), op=hvd.Adasum)
+
+
+@pytest.mark.skipif(N < 2, reason="a mismatch needs two ranks")
+@pytest.mark.parametrize("mode", MODES)
+def test_mismatch_error_names_tensor(mode):
+    x = np.ones((R + 1,), np.float32)  # shapes differ between ranks
+    if mode == "eager":
+        with pytest.raises(tf.errors.FailedPreconditionError, match="bad_tensor") as info:
+            hvd.allreduce(tf.constant(x), name="bad_tensor")
+        assert "shape" in str(info.value)
+    else:
+        # Inside graphs TensorFlow reports Python-op failures with its own
+        # class (UnknownError); the message still names the tensor and the difference.
+        with pytest.raises(tf.errors.OpError, match="bad_tensor"):
+            run(mode, lambda t: hvd.allreduce(t, name="bad_tensor"), x)
+    # The runtime survives a per-tensor error.
+    np.testing.assert_allclose(hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy(), [N])
