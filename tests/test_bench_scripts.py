@@ -1,0 +1,76 @@
+"""Each benchmark script runs on a tiny size under mpirun -np 2 and writes valid JSON.
+
+Benchmarks are scripts, not timed tests: nothing here checks a speed, only
+that the script runs end to end and its JSON has the keys docs/benchmarks.md
+and the plots are built from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpirun import ROOT, mpirun_command
+
+COMMON_KEYS = {"benchmark", "command", "ranks", "date", "versions", "targets",
+               "other_processes_busy_fraction"}
+TARGET_KEYS = {"name", "value", "bound", "unit", "comparison", "met", "limited_by"}
+
+
+def run_bench(script: str, tmp_path, *extra, timeout=240) -> dict:
+    out = tmp_path / f"{script}.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    cmd = mpirun_command(2) + [sys.executable, os.path.join(ROOT, "bench", f"{script}.py"),
+                               "--tiny", "--out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{script} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    doc = json.loads(out.read_text())
+    assert COMMON_KEYS <= doc.keys(), COMMON_KEYS - doc.keys()
+    assert doc["benchmark"] == script and doc["ranks"] == 2
+    for target in doc["targets"]:
+        assert TARGET_KEYS <= target.keys()
+        assert target["met"] in (True, False, None)
+    assert (tmp_path / f"{script}.md").exists()
+    return doc
+
+
+def test_allreduce_bandwidth(tmp_path):
+    doc = run_bench("allreduce_bandwidth", tmp_path)
+    assert [r["bytes"] for r in doc["rows"]] == doc["sizes"]
+    for row in doc["rows"]:
+        for key in ("horolite_s", "mpi_s", "bound_s", "horolite_busbw", "mpi_busbw",
+                    "busbw_ratio_vs_mpi", "time_ratio_vs_bound"):
+            assert row[key] > 0, key
+        if "gloo" in doc["peers"]:
+            assert row["gloo_s"] > 0
+
+
+def test_small_tensors(tmp_path):
+    doc = run_bench("small_tensors", tmp_path)
+    for key in ("grouped_step_s", "async_step_s", "mpi_step_s", "horolite_4KiB_s",
+                "horolite_1MiB_s", "mpi_4KiB_s", "mpi_1MiB_s"):
+        assert doc["results"][key] > 0, key
+    assert any("4 KiB" in t["name"] for t in doc["targets"])
+
+
+def test_steady_state_memory(tmp_path):
+    doc = run_bench("steady_state_memory", tmp_path)
+    assert len(doc["per_rank"]) == 2
+    assert doc["calls"] >= 200
+    assert all(len(r["samples"]) >= 2 for r in doc["per_rank"])
+
+
+def test_training_throughput(tmp_path):
+    pytest.importorskip("tensorflow")
+    doc = run_bench("training_throughput", tmp_path, "--no-plot", timeout=420)
+    for system in ("single", "horolite", "mwms"):
+        assert doc[system]["images_per_sec"] > 0, system
+    assert doc["scaling_efficiency"] > 0 and doc["ratio_vs_mwms"] > 0
+    assert doc["plot"] is None
+    assert {t["name"].split(",")[0] for t in doc["targets"]} >= {
+        "images/sec", "scaling efficiency (2 ranks vs 2 x one process"}
