@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from . import device as _device
 from .basics import runtime
 from .errors import InvalidCollectiveError
 from .handle import Handle
@@ -36,9 +37,13 @@ def _auto_name(kind: str) -> str:
 
 
 def _as_array(array, name: str, kind: Kind) -> np.ndarray:
-    arr = np.asarray(array)
-    if not arr.flags.c_contiguous:  # (np.ascontiguousarray would turn scalars into 1-d)
-        arr = arr.copy(order="C")
+    if _device.is_device_array(array):
+        # GPU path: a contiguous CuPy view on this rank's GPU, no host copy (device.py).
+        arr = _device.device_input(array, name, runtime())
+    else:
+        arr = np.asarray(array)
+        if not arr.flags.c_contiguous:  # (np.ascontiguousarray would turn scalars into 1-d)
+            arr = arr.copy(order="C")
     dname = dtype_name(arr.dtype)
     allowed = REDUCIBLE_DTYPES if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER) else MOVABLE_DTYPES
     if dname not in allowed:
@@ -61,11 +66,16 @@ def _reduce_op(op, name: str) -> ReduceOp:
 def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, splits=None,
             **fields) -> Handle:
     rt = runtime()
+    ready = None
     if array is not None:
         fields.setdefault("dtype", dtype_name(array.dtype))
         fields.setdefault("shape", tuple(array.shape))
+        if not isinstance(array, np.ndarray):  # a CuPy array from _as_array: GPU path
+            fields.setdefault("device", _device.CUDA)
+            ready = _device.record_ready(array)
     request = Request(name=name, kind=kind, **{"dtype": "", "shape": (), **fields})
-    entry = Entry(request=request, array=array, handle=Handle(name, transform), splits=splits)
+    entry = Entry(request=request, array=array, handle=Handle(name, transform), splits=splits,
+                  ready=ready)
     return rt.submit(entry)
 
 
