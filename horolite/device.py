@@ -65,8 +65,12 @@ def is_device_array(obj) -> bool:
     """
     if isinstance(obj, np.ndarray) or obj is None:
         return False
-    if hasattr(obj, "__cuda_array_interface__"):
+    try:
+        # (a property on some types, e.g. raising for CPU tensors: any error means "no")
+        getattr(obj, "__cuda_array_interface__")
         return True
+    except Exception:
+        pass
     dev = _dlpack_device(obj)
     return dev is not None and dev[0] in _DLPACK_CUDA
 
@@ -107,9 +111,11 @@ def as_cupy(obj):
     cupy = _cupy()
     if isinstance(obj, cupy.ndarray):
         return obj
-    if hasattr(obj, "__cuda_array_interface__"):
-        return cupy.asarray(obj)
-    return cupy.from_dlpack(obj)
+    try:
+        getattr(obj, "__cuda_array_interface__")
+    except Exception:
+        return cupy.from_dlpack(obj)
+    return cupy.asarray(obj)
 
 
 def device_input(obj, name: str, rt):

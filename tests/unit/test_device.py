@@ -51,6 +51,20 @@ def test_dlpack_device_types(kind, expected):
     assert device.is_device_array(DLPackOn(kind)) is expected
 
 
+class RaisingInterface:
+    """Like a framework's CPU tensor: the property exists on the type but refuses."""
+    @property
+    def __cuda_array_interface__(self):
+        raise ValueError("not a CUDA tensor")
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_refusing_cuda_interface_is_host():
+    assert not device.is_device_array(RaisingInterface())
+
+
 def test_dlpack_device_string_and_broken_exporter():
     assert device.device_string(DLPackOn(2, 3)) == "cuda:3"
     assert not device.is_device_array(DLPackOn(2, fail=True))
