@@ -1,0 +1,241 @@
+"""Rank side: data-parallel training with the tape, the legacy optimizer and
+Keras fit equals one process on the whole batch; local gradient aggregation;
+sparse gradients; argument errors; the Keras callbacks.
+
+Run by tests/test_matrix_tensorflow.py under mpirun -np 1..4.
+"""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import horolite.runtime
+import horolite.tensorflow as hvd
+
+# TensorFlow's thread pools share the cores with the background thread: poll
+# politely so ranks do not starve each other (see the README section).
+horolite.runtime.oversubscribed = lambda local_size: True
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
+STEPS = 3
+LR = 0.1
+RNG = np.random.RandomState(0)
+X = RNG.normal(size=(BATCH, 4)).astype(np.float32)
+Y = RNG.normal(size=(BATCH, 2)).astype(np.float32)
+W0 = RNG.normal(size=(4, 2)).astype(np.float32)
+B0 = np.zeros(2, np.float32)
+LO, HI = R * BATCH // N, (R + 1) * BATCH // N
+
+
+def reference(steps=STEPS, lr=LR):
+    """One process, whole batch, plain SGD on mean squared error (NumPy)."""
+    w, b = W0.astype(np.float64), B0.astype(np.float64)
+    for _ in range(steps):
+        err = X @ w + b - Y
+        gw = 2 * X.T @ err / err.size
+        gb = 2 * err.sum(0) / err.size
+        w, b = w - lr * gw, b - lr * gb
+    return w, b
+
+
+def loss_fn(w, b, x, y):
+    return tf.reduce_mean(tf.square(tf.matmul(x, w) + b - y))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_tape_data_parallel_equivalence(mode):
+    w, b = tf.Variable(W0), tf.Variable(B0)
+    x, y = tf.constant(X[LO:HI]), tf.constant(Y[LO:HI])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_fn(w, b, x, y)
+        tape = hvd.DistributedGradientTape(tape)
+        gw, gb = tape.gradient(loss, [w, b])
+        w.assign_sub(LR * gw)
+        b.assign_sub(LR * gb)
+        return loss
+
+    step = tf.function(step) if mode == "function" else step
+    for _ in range(STEPS):
+        step()
+    ref_w, ref_b = reference()
+    np.testing.assert_allclose(w.numpy(), ref_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b.numpy(), ref_b, rtol=1e-5, atol=1e-6)
+
+
+def test_tape_none_local_groups_and_predivide():
+    w, b, unused = tf.Variable(W0), tf.Variable(B0), tf.Variable(1.0)
+    local = tf.Variable(float(R))
+    x, y = tf.constant(X[LO:HI]), tf.constant(Y[LO:HI])
+    with tf.GradientTape(persistent=True) as t:
+        loss = loss_fn(w, b, x, y) + local * local
+    ref_w = t.gradient(loss, w).numpy()
+    for kwargs in [{}, {"num_groups": 1}, {"groups": [[w, b]]}, {"gradient_predivide_factor": 2.0},
+                   {"compression": hvd.Compression.fp16}]:
+        tape = hvd.DistributedGradientTape(t, **kwargs)
+        tape.register_local_source(local)
+        gw, gb, gu, gl = tape.gradient(loss, [w, b, unused, local])
+        assert gu is None
+        np.testing.assert_allclose(gl.numpy(), 2.0 * R)  # local: not reduced
+        expect = np.mean(hvd.allgather_object(ref_w), axis=0)
+        np.testing.assert_allclose(gw.numpy(), expect, rtol=2e-3 if kwargs.get("compression") else 1e-5,
+                                   atol=1e-3 if kwargs.get("compression") else 1e-6)
+    # Nested sources keep their structure.
+    grads = hvd.DistributedGradientTape(t).gradient(loss, {"w": w, "b": b})
+    assert set(grads) == {"w", "b"}
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="Adasum"):
+        hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), backward_passes_per_step=0)
+
+
+def embedding_setup():
+    table = tf.Variable(np.arange(12, dtype=np.float32).reshape(6, 2))
+    ids = tf.constant([R % 6, (R + 2) % 6], tf.int64)
+    return table, ids
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_sparse_gradients(sparse_as_dense, mode):
+    table, ids = embedding_setup()
+
+    def grad():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.nn.embedding_lookup(table, ids)) * float(R + 1)
+        tape = hvd.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense)
+        g = tape.gradient(loss, [table])[0]
+        if not sparse_as_dense:
+            assert isinstance(g, tf.IndexedSlices)
+        return tf.convert_to_tensor(g)
+
+    g = (tf.function(grad) if mode == "function" else grad)().numpy()
+    expect = np.zeros((6, 2))
+    for r in range(N):
+        for i in (r % 6, (r + 2) % 6):
+            expect[i] += (r + 1.0) / N
+    np.testing.assert_allclose(g, expect, rtol=1e-6)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.nn.embedding_lookup(table, ids))
+    with pytest.raises(ValueError, match="IndexedSlices"):
+        hvd.DistributedGradientTape(tape, op=hvd.Max).gradient(loss, [table])
+
+
+def sgd_graph_training(passes, average, steps):
+    """TF1 graph: returns the weights after every session step."""
+    with tf.Graph().as_default():
+        w = tf.compat.v1.get_variable("w", initializer=W0)
+        b = tf.compat.v1.get_variable("b", initializer=B0)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4])
+        y = tf.compat.v1.placeholder(tf.float32, [None, 2])
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LR),
+                                       backward_passes_per_step=passes,
+                                       average_aggregated_gradients=average)
+        step = tf.compat.v1.train.get_or_create_global_step()
+        train = opt.minimize(loss_fn(w, b, x, y), global_step=step)
+        history = []
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for i in range(steps):
+                sl = slice(LO, HI) if passes == 1 else minibatch(i)
+                sess.run(train, {x: X[sl], y: Y[sl]})
+                history.append((sess.run(w), sess.run(step)))
+    return history
+
+
+def minibatch(i):
+    """Pass i of 4 on this rank: a quarter of this rank's rows (BATCH/N rows, in 4 parts)."""
+    rows = np.arange(LO, HI)
+    return rows[i % 4::4] if len(rows) >= 4 else rows
+
+
+def test_legacy_optimizer_graph_equivalence():
+    history = sgd_graph_training(1, False, STEPS)
+    np.testing.assert_allclose(history[-1][0], reference()[0], rtol=1e-5, atol=1e-6)
+    assert history[-1][1] == STEPS
+
+
+def test_legacy_optimizer_eager_equivalence():
+    w, b = tf.Variable(W0), tf.Variable(B0)
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LR))
+    x, y = tf.constant(X[LO:HI]), tf.constant(Y[LO:HI])
+    for _ in range(STEPS):
+        opt.minimize(lambda: loss_fn(w, b, x, y), var_list=[w, b])
+    np.testing.assert_allclose(w.numpy(), reference()[0], rtol=1e-5, atol=1e-6)
+
+
+def local_grad_sum(passes):
+    """NumPy: the sum over ranks and passes of the local gradient at W0 (w unchanged in between)."""
+    total = np.zeros_like(W0, dtype=np.float64)
+    for r in range(N):
+        rows = np.arange(r * BATCH // N, (r + 1) * BATCH // N)
+        for i in range(passes):
+            sl = rows[i % 4::4] if len(rows) >= 4 else rows
+            err = X[sl] @ W0 + B0 - Y[sl]
+            total += 2 * X[sl].T @ err / err.size
+    return total
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_local_aggregation_graph(average):
+    history = sgd_graph_training(4, average, 8)
+    for i in range(3):  # variables unchanged until the 4th call
+        np.testing.assert_array_equal(history[i][0], W0)
+    total = local_grad_sum(4) / N  # op=Average over ranks
+    if average:
+        total /= 4
+    np.testing.assert_allclose(history[3][0], W0 - LR * total, rtol=1e-5, atol=1e-6)
+    for i in range(4, 7):
+        np.testing.assert_array_equal(history[i][0], history[3][0])
+    assert not np.allclose(history[7][0], history[3][0])
+    assert [h[1] for h in history] == [0, 0, 0, 1, 1, 1, 1, 2]  # global_step: applied steps
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_local_aggregation_tape_and_eager_optimizer(mode):
+    w, b = tf.Variable(W0), tf.Variable(B0)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(w, b, x, y)
+        tape = hvd.DistributedGradientTape(tape, backward_passes_per_step=4, op=hvd.Sum)
+        gw, gb = tape.gradient(loss, [w, b])
+        w.assign_sub(LR * gw)  # zeros on the calls that do not communicate
+        b.assign_sub(LR * gb)
+        return tape.gradients_ready
+
+    step = tf.function(step) if mode == "function" else step
+    for i in range(4):
+        ready = step(tf.constant(X[minibatch(i)]), tf.constant(Y[minibatch(i)]))
+        assert bool(ready) == (i == 3)
+        if i < 3:
+            np.testing.assert_array_equal(w.numpy(), W0)
+    np.testing.assert_allclose(w.numpy(), W0 - LR * local_grad_sum(4), rtol=1e-5, atol=1e-6)
+
+    # The legacy optimizer eagerly (Horovod refuses this; horolite supports it).
+    w.assign(W0)
+    b.assign(B0)
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LR),
+                                   backward_passes_per_step=4, average_aggregated_gradients=True)
+    for i in range(4):
+        x, y = tf.constant(X[minibatch(i)]), tf.constant(Y[minibatch(i)])
+        pairs = opt.compute_gradients(lambda: loss_fn(w, b, x, y), var_list=[w, b])
+        if i < 3:
+            np.testing.assert_array_equal(pairs[0][0].numpy(), np.zeros_like(W0))
+        opt.apply_gradients(pairs)
+        if i < 3:
+            np.testing.assert_array_equal(w.numpy(), W0)
+    np.testing.assert_allclose(w.numpy(), W0 - LR * local_grad_sum(4) / N / 4, rtol=1e-5, atol=1e-6)
