@@ -10,7 +10,7 @@ first fused batch and reused.
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import numpy as np
 

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import device as device_mod
 from ..ops import ReduceOp
+
+if TYPE_CHECKING:  # annotations only: importing mpi4py.MPI would start MPI
+    from mpi4py import MPI
 
 __all__ = ["NCCL_UNIQUE_ID_BYTES", "exchange_unique_id", "unique_id_to_bytes", "NCCLTransport",
            "create_nccl_transport", "device_scale", "device_copy", "RS_AG_MIN_BYTES"]

@@ -10,7 +10,6 @@ Two kinds of tests:
   has a GPU and is skipped, with the reason, where not. No fake NCCL.
 """
 import os
-import sys
 
 import numpy as np
 import pytest
