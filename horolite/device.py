@@ -114,8 +114,21 @@ def as_cupy(obj):
     try:
         getattr(obj, "__cuda_array_interface__")
     except Exception:
-        return cupy.from_dlpack(obj)
+        return _from_dlpack(cupy, obj)
     return cupy.asarray(obj)
+
+
+def _from_dlpack(cupy, obj):
+    try:
+        # The protocol's stream handshake: the producer orders its work before CuPy's stream.
+        return cupy.from_dlpack(obj)
+    except (RuntimeError, TypeError, BufferError):
+        # Producers that refuse the handshake (TensorFlow: "does not support DLPack export
+        # with a non-None stream"): take the plain capsule and wait for the whole device.
+        array = cupy.from_dlpack(obj.__dlpack__())
+        with array.device:
+            cupy.cuda.runtime.deviceSynchronize()
+        return array
 
 
 def device_input(obj, name: str, rt):
@@ -276,6 +289,10 @@ def tf_to_cupy(tensor, synchronize: bool = True):
     synchronized first so the data is complete before horolite reads it. Pass
     False only when the caller has made sure of that itself.
     """
+    where = _dlpack_device(tensor)
+    if where is None or where[0] not in _DLPACK_CUDA:
+        raise ValueError(f"tf_to_cupy needs a tensor in GPU memory; this one is on "
+                         f"{getattr(tensor, 'device', where)} (use tensor.numpy() for host tensors)")
     import tensorflow as tf
     cupy = _cupy()
     capsule = tf.experimental.dlpack.to_dlpack(tensor)

@@ -316,3 +316,6 @@ def test_tensorflow_gpu_tensor_round_trip():
         t = tf.fill([4], float(RANK + 1))
     out = device.cupy_to_tf(hvd.allreduce(device.tf_to_cupy(t), op=hvd.Sum, name="gpu.tf"))
     np.testing.assert_allclose(out.numpy(), np.full(4, SIZE * (SIZE + 1) / 2))
+    # An eager GPU tensor passed as it is: DLPack, without TensorFlow's (refused) stream handshake.
+    direct = hvd.allreduce(t, op=hvd.Sum, name="gpu.tf.direct")
+    np.testing.assert_allclose(to_host(direct, "cuda"), np.full(4, SIZE * (SIZE + 1) / 2))

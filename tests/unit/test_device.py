@@ -85,6 +85,13 @@ def test_host_device_mix_is_a_mismatch_naming_ranks():
     assert ok.error is None and ok.device == "cuda"
 
 
+def test_tf_to_cupy_refuses_host_tensors():
+    class HostTensor(DLPackOn):
+        device = "/job:localhost/replica:0/task:0/device:CPU:0"
+    with pytest.raises(ValueError, match="needs a tensor in GPU memory; this one is on /job:.*CPU:0"):
+        device.tf_to_cupy(HostTensor(1))
+
+
 # ---- device selection ----
 @pytest.mark.parametrize("local_rank,count,expected", [
     (0, 1, 0), (3, 1, 0), (0, 4, 0), (1, 4, 1), (3, 4, 3), (5, 4, 1), (2, 8, 2)])
