@@ -34,16 +34,17 @@ def broadcast_variables(variables, root_rank: int, name: Optional[str] = None):
     if not tf.executing_eagerly():
         prefix = graph_unique_name(prefix)
     root_rank = int(root_rank)
-    hids = []
+    hids, values = [], []
     for i, var in enumerate(variables):
         vname = f"{prefix}.{variable_name(var, i)}"
-        value = var.read_value() if not tf.executing_eagerly() else tf.convert_to_tensor(var)
+        value = tf.convert_to_tensor(var.value if hasattr(var, "path") else var)  # Keras 3 or tf.Variable
+        values.append(value)
         hids.append(_enqueue(lambda a, n=vname: _core.broadcast_async(a, root_rank, n), [value]))
     assigns = []
-    with tf.control_dependencies([h for h in hids if isinstance(h, tf.Tensor)] if not tf.executing_eagerly() else None):
-        for var, hid in zip(variables, hids):
-            value = wait(hid, [var.dtype.base_dtype], [var.shape])[0]
-            assigns.append(var.assign(value))
+    deps = None if tf.executing_eagerly() else hids
+    with tf.control_dependencies(deps):
+        for var, hid, value in zip(variables, hids, values):
+            assigns.append(var.assign(wait(hid, [value.dtype], [value.shape])[0]))
     if tf.executing_eagerly():
         return None
     return tf.group(*assigns)

@@ -239,3 +239,78 @@ def test_local_aggregation_tape_and_eager_optimizer(mode):
         if i < 3:
             np.testing.assert_array_equal(w.numpy(), W0)
     np.testing.assert_allclose(w.numpy(), W0 - LR * local_grad_sum(4) / N / 4, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ Keras 3 ----
+import horolite.tensorflow.keras as hvdk  # noqa: E402
+
+keras = tf.keras
+
+
+def keras_model(kernel=W0, bias=B0):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.layers[0].set_weights([kernel, bias])
+    return model
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses, self.lrs = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.lrs.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.losses.append(logs["loss"])
+
+
+def test_keras_fit_equivalence_and_callbacks():
+    # Differently initialised ranks: the broadcast callback makes them equal to rank 0 (W0).
+    model = keras_model(W0 + R, B0 + R)
+    opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(LR))
+    assert isinstance(opt, keras.optimizers.SGD)
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    rec = Recorder()
+    model.fit(X[LO:HI], Y[LO:HI], batch_size=HI - LO, epochs=STEPS, shuffle=False, verbose=0,
+              callbacks=[hvdk.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hvdk.callbacks.MetricAverageCallback(), rec])
+    ref_w, ref_b = reference()
+    kernel, bias = model.layers[0].get_weights()
+    np.testing.assert_allclose(kernel, ref_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bias, ref_b, rtol=1e-5, atol=1e-6)
+    # Metric averaging: every rank logs the same (averaged) loss.
+    losses = hvd.allgather_object(rec.losses)
+    for other in losses:
+        np.testing.assert_allclose(other, losses[0], rtol=1e-6)
+
+
+def test_keras_local_aggregation_and_warmup():
+    model = keras_model()
+    opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(LR), backward_passes_per_step=4,
+                                    average_aggregated_gradients=True)
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    seen = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(model.layers[0].get_weights()[0].copy())
+
+    batches = tf.data.Dataset.from_generator(
+        lambda: ((X[minibatch(i)], Y[minibatch(i)]) for i in range(4)),
+        output_signature=(tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 2], tf.float32)))
+    model.fit(batches, epochs=1, verbose=0, callbacks=[Watch()])
+    for i in range(3):
+        np.testing.assert_array_equal(seen[i], W0)
+    np.testing.assert_allclose(seen[3], W0 - LR * local_grad_sum(4) / N / 4, rtol=1e-5, atol=1e-6)
+    assert int(opt.iterations.numpy()) == 4
+
+    model = keras_model()
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.4)), loss="mse",
+                  jit_compile=False)
+    rec = Recorder()
+    warm = hvdk.callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2, steps_per_epoch=2)
+    model.fit(X[LO:HI], Y[LO:HI], batch_size=max(1, (HI - LO) // 2), epochs=3, verbose=0,
+              callbacks=[warm, rec])
+    np.testing.assert_allclose(rec.lrs[0], 0.4 / N, rtol=1e-6)
+    np.testing.assert_allclose(rec.lrs[-1], 0.4, rtol=1e-6)

@@ -1,1 +1,97 @@
-"""placeholder"""
+"""horolite for Keras 3 (TensorFlow backend): Horovod's `horovod.tensorflow.keras` API.
+
+    import horolite.tensorflow.keras as hvd
+    hvd.init()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size())),
+                  loss=..., jit_compile=False)
+    model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                               hvd.callbacks.MetricAverageCallback()])
+
+The collectives are Python ops, which XLA cannot compile: Keras turns XLA off
+by itself on CPU-only machines; elsewhere pass `jit_compile=False`.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from horolite import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
+                      mpi_threads_supported, rank, shutdown, size)
+from horolite.ops import Adasum, Average, Max, Min, Product, Sum
+
+from .. import (Compression, allgather, allgather_object, allreduce, broadcast, broadcast_object,
+                broadcast_variables, grouped_allreduce, join)
+from ..gradients import GradientReducer, LocalAggregator, check_arguments
+from . import callbacks
+
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+           "cross_rank", "cross_size", "mpi_threads_supported", "Average", "Sum", "Adasum", "Min",
+           "Max", "Product", "Compression", "allreduce", "grouped_allreduce", "allgather",
+           "broadcast", "join", "broadcast_variables", "broadcast_object", "allgather_object",
+           "DistributedOptimizer", "callbacks", "broadcast_global_variables"]
+
+
+class _DistributedMixin:
+    """Mixed into the wrapped optimizer's class: `apply` reduces the gradients first."""
+
+    def _horolite_setup(self, reducer, passes, average):
+        self._horolite_reducer = reducer
+        self._horolite_aggregator = LocalAggregator(passes, average, reducer) if passes > 1 else None
+
+    def apply(self, grads, trainable_variables=None):
+        variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
+        grads = list(grads)
+        if self._horolite_aggregator is None:
+            return super().apply(self._horolite_reducer(grads, variables), trainable_variables)
+        if not self.built:
+            self.build(variables)
+            self.built = True
+        reduced = self._horolite_aggregator(grads, variables)
+        if tf.executing_eagerly():
+            if int(self._horolite_aggregator.counter.numpy()) == 0:
+                return super().apply(reduced, trainable_variables)
+            self._iterations.assign_add(1)  # as Horovod: iterations counts every batch
+            return None
+        deps = [g for g in reduced if g is not None]
+        with tf.control_dependencies(deps):
+            ready = self._horolite_aggregator.should_apply()
+
+        def do_apply():
+            super(_DistributedMixin, self).apply(reduced, trainable_variables)
+            return tf.constant(True)
+
+        def skip():
+            self._iterations.assign_add(1)
+            return tf.constant(False)
+        tf.cond(ready, do_apply, skip)
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=None):
+    """Wrap a Keras 3 optimizer so the gradients it applies are reduced over all ranks.
+
+    Returns an instance of a subclass of the optimizer's own class with the
+    same configuration (so it works in `model.compile`/`fit` and saves like
+    the original). With backward_passes_per_step=N > 1 the gradients of N
+    batches are summed locally (divided by N with average_aggregated_gradients)
+    and reduced and applied on every N-th batch; `iterations` still counts
+    every batch, as in Horovod.
+    """
+    if process_set is not None:
+        raise NotImplementedError("horolite has no process sets")
+    check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
+    reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}", compression,
+                              sparse_as_dense, op, gradient_predivide_factor, num_groups, groups)
+    cls = type(type(optimizer).__name__, (_DistributedMixin, type(optimizer)), {})
+    config = optimizer.get_config()
+    new = cls.from_config(config)
+    new._horolite_setup(reducer, int(backward_passes_per_step), average_aggregated_gradients)
+    return new
+
+
+def broadcast_global_variables(root_rank):
+    raise RuntimeError("Keras 3 has no global variables: use "
+                       "broadcast_variables(model.variables, root_rank) or "
+                       "callbacks.BroadcastGlobalVariablesCallback(root_rank)")
