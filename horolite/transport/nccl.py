@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 import numpy as np
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # annotations only: importing mpi4py.MPI would start MPI
     from mpi4py import MPI
 
 __all__ = ["NCCL_UNIQUE_ID_BYTES", "exchange_unique_id", "unique_id_to_bytes", "NCCLTransport",
-           "create_nccl_transport", "device_scale", "device_copy", "RS_AG_MIN_BYTES"]
+           "create_nccl_transport", "decide_nccl", "device_scale", "device_copy", "RS_AG_MIN_BYTES"]
 
 _log = logging.getLogger("horolite.nccl")
 
@@ -308,31 +309,65 @@ class NCCLTransport:
             pass
 
 
-def create_nccl_transport(comm: MPI.Comm, local_rank: int) -> Tuple[Optional[NCCLTransport], str]:
+def _gpu_identity(device_id: int) -> str:
+    """The physical GPU behind an ordinal (ordinals differ under CUDA_VISIBLE_DEVICES)."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.deviceGetPCIBusId(device_id)
+    except Exception:
+        return f"ordinal {device_id} of CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}"
+
+
+def decide_nccl(answers: Sequence[Tuple[bool, str, str, str]]) -> Tuple[bool, str]:
+    """Whether the job uses NCCL, from every rank's (ok, reason, host, GPU identity).
+
+    Pure, and run on every rank with the same answers, so all ranks agree. NCCL
+    needs every rank to have a GPU, and one GPU per rank.
+    """
+    missing = [(r, why) for r, (good, why, _, _) in enumerate(answers) if not good]
+    if missing and len(missing) == len(answers):
+        reasons = {why for _, why in missing}
+        return False, (reasons.pop() if len(reasons) == 1
+                       else "; ".join(f"rank {r}: {w}" for r, w in missing))
+    if missing:
+        why = "; ".join(f"rank {r}: {w}" for r, w in missing)
+        return False, f"not every rank can use NCCL ({why})"
+    sharing = {}
+    for r, (_, _, host, gpu) in enumerate(answers):
+        sharing.setdefault((host, gpu), []).append(r)
+    shared = [(host, gpu, ranks) for (host, gpu), ranks in sharing.items() if len(ranks) > 1]
+    if shared:
+        host, gpu, ranks = shared[0]
+        return False, (f"ranks {', '.join(map(str, ranks))} on {host} would share one GPU ({gpu}); "
+                       "NCCL needs one GPU per rank: give each rank its own device "
+                       "(CUDA_VISIBLE_DEVICES or HOROLITE_GPU_DEVICE)")
+    return True, answers[0][1]
+
+
+def create_nccl_transport(comm: "MPI.Comm", local_rank: int) -> Tuple[Optional[NCCLTransport], str]:
     """Collective over `comm`: build the NCCL transport when every rank can, else (None, why).
 
     Each rank probes locally (device.nccl_status, which imports CuPy only when a
     driver with a device is there); one allgather of the answers decides for
-    all, so every rank takes the same branch and the id exchange never hangs.
+    all (decide_nccl), so every rank takes the same branch and neither the id
+    exchange nor NCCL's communicator set-up waits for a rank that is not coming.
     """
     ok, reason = device_mod.nccl_status()
-    device_id, problem = -1, ""
+    device_id, gpu = -1, ""
     if ok:
         try:
             device_id = device_mod.device_for_rank(local_rank, device_mod.cuda_device_count())
+            gpu = _gpu_identity(device_id)
         except ValueError as exc:
-            ok, problem = False, str(exc)
-    answers = comm.allgather((ok, problem or reason))
-    missing = [(r, why) for r, (good, why) in enumerate(answers) if not good]
-    if missing:
-        if len(missing) == len(answers):
-            return None, answers[0][1] if len(set(w for _, w in missing)) == 1 else \
-                "; ".join(f"rank {r}: {w}" for r, w in missing)
-        why = "; ".join(f"rank {r}: {w}" for r, w in missing)
-        if comm.Get_rank() == 0:
-            _log.warning("NCCL is off for this job because some ranks cannot use it (%s); "
-                         "device arrays will be refused", why)
-        return None, f"not every rank can use NCCL ({why})"
+            ok, reason = False, str(exc)
+    from mpi4py import MPI
+    answers = comm.allgather((ok, reason, MPI.Get_processor_name(), gpu))
+    go, why = decide_nccl(answers)
+    if not go:
+        if comm.Get_rank() == 0 and any(answer[0] for answer in answers):
+            # Some rank has a GPU, so someone may expect NCCL: say why it is off.
+            _log.warning("NCCL is off for this job: %s; device arrays will be refused", why)
+        return None, why
     try:
         transport = NCCLTransport(comm, device_id)
     except Exception as exc:
@@ -340,5 +375,5 @@ def create_nccl_transport(comm: MPI.Comm, local_rank: int) -> Tuple[Optional[NCC
         _log.error("NCCL communicator set-up failed on rank %d (device %d): %s",
                    comm.Get_rank(), device_id, exc)
         return None, f"NCCL communicator set-up failed: {exc}"
-    _log.info("NCCL up on device %d: %s", device_id, reason)
+    _log.info("NCCL up on cuda:%d (%s): %s", device_id, gpu, reason)
     return transport, reason

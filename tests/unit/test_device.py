@@ -142,6 +142,28 @@ def test_unique_id_forms():
         nccl_mod.unique_id_to_bytes(b"short")
 
 
+# ---- whether the job uses NCCL (every rank decides the same from the same answers) ----
+def test_decide_nccl_every_rank_needs_a_gpu():
+    none = (False, "no CUDA device: no driver (libcuda.so.1 not found)", "h", "")
+    assert nccl_mod.decide_nccl([none, none]) == (False, none[1])
+    other = (False, "no CUDA device: cupy not installed", "h", "")
+    go, why = nccl_mod.decide_nccl([none, other])
+    assert not go and why == f"rank 0: {none[1]}; rank 1: {other[1]}"
+    gpu = (True, "NCCL 2.21.5 with 2 CUDA device(s), CuPy 13.3.0", "h", "0000:01:00.0")
+    go, why = nccl_mod.decide_nccl([gpu, none, none])
+    assert not go and why.startswith("not every rank can use NCCL (rank 1: no CUDA device")
+
+
+def test_decide_nccl_one_gpu_per_rank():
+    def gpu(host, bus):
+        return (True, "NCCL 2.21.5 with 2 CUDA device(s)", host, bus)
+    assert nccl_mod.decide_nccl([gpu("a", "0:1"), gpu("a", "0:2"), gpu("b", "0:1")]) == \
+        (True, "NCCL 2.21.5 with 2 CUDA device(s)")
+    go, why = nccl_mod.decide_nccl([gpu("a", "0:1"), gpu("a", "0:2"), gpu("a", "0:1")])
+    assert not go
+    assert why.startswith("ranks 0, 2 on a would share one GPU (0:1); NCCL needs one GPU per rank")
+
+
 # ---- nccl_status and imports ----
 def _python(code):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
