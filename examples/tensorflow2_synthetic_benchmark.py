@@ -18,10 +18,10 @@ import horolite.tensorflow as hvd
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="MobileNetV2", help="a tf.keras.applications model name")
-    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=16, help="images per rank per step")
-    p.add_argument("--num-warmup-batches", type=int, default=2)
-    p.add_argument("--num-batches-per-iter", type=int, default=5)
+    p.add_argument("--num-warmup-batches", type=int, default=1)
+    p.add_argument("--num-batches-per-iter", type=int, default=3)
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to float16")
     return p.parse_args()
