@@ -10,7 +10,7 @@ from .basics import (cross_rank, cross_size, init, is_homogeneous, is_initialize
                      local_size, mpi_threads_supported, rank, shutdown, size)
 from .collectives import (allgather, allgather_async, allreduce, allreduce_async, alltoall,
                           alltoall_async, barrier, broadcast, broadcast_async, grouped_allreduce,
-                          grouped_allreduce_async, join, poll, reducescatter, reducescatter_async,
+                          grouped_allreduce_async, join, join_async, poll, reducescatter, reducescatter_async,
                           synchronize)
 from .errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
                      NotInitializedError, ShutdownError, StallError, TensorMismatchError)
@@ -24,7 +24,7 @@ __all__ = [
     "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
-    "reducescatter", "reducescatter_async", "barrier", "join", "poll", "synchronize", "Handle",
+    "reducescatter", "reducescatter_async", "barrier", "join", "join_async", "poll", "synchronize", "Handle",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
     "ShutdownError", "StallError", "NotInitializedError", "__version__",

@@ -23,7 +23,7 @@ from .tensor_queue import Entry
 __all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
            "allgather", "allgather_async", "broadcast", "broadcast_async",
            "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-           "barrier", "join", "poll", "synchronize"]
+           "barrier", "join", "join_async", "poll", "synchronize"]
 
 _name_lock = threading.Lock()
 _counters = {}
@@ -199,12 +199,16 @@ def barrier() -> None:
     synchronize(_submit(Kind.BARRIER, None, _auto_name("barrier")))
 
 
+def join_async() -> Handle:
+    return _submit(Kind.JOIN, None, "join")
+
+
 def join() -> int:
     """Wait for every rank to join; until then this rank adds zeros to others' allreduces.
 
     Returns the rank that joined last.
     """
-    return synchronize(_submit(Kind.JOIN, None, "join"))
+    return synchronize(join_async())
 
 
 def poll(handle: Handle) -> bool:

@@ -29,6 +29,7 @@ VARIABLES = {
     "TIMELINE": ("", "Path of a Chrome trace JSON file written by every rank (rank suffix added past rank 0)."),
     "TIMELINE_MARK_CYCLES": ("0", "1 marks every background cycle in the timeline."),
     "LOG_LEVEL": ("WARNING", "Logging level: TRACE, DEBUG, INFO, WARNING, ERROR, FATAL."),
+    "WAIT_MODE": ("poll", "How the background thread waits on MPI: poll (spin briefly, then sleep) or block."),
     "AUTOTUNE": ("0", "1 tunes fusion threshold and cycle time online."),
     "AUTOTUNE_LOG": ("", "CSV file where autotune writes its samples."),
     "AUTOTUNE_START": ("", "Where autotune starts, e.g. cycle_time_ms=50 (not held fixed)."),
@@ -75,6 +76,7 @@ class Config:
     timeline: str = ""
     timeline_mark_cycles: bool = False
     log_level: str = "WARNING"
+    wait_mode: str = "poll"
     autotune: bool = False
     autotune_log: str = ""
     autotune_start: str = ""
@@ -92,6 +94,7 @@ _FIELDS = {
     "TIMELINE": ("timeline", str),
     "TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", bool),
     "LOG_LEVEL": ("log_level", str),
+    "WAIT_MODE": ("wait_mode", str),
     "AUTOTUNE": ("autotune", bool),
     "AUTOTUNE_LOG": ("autotune_log", str),
     "AUTOTUNE_START": ("autotune_start", str),
@@ -124,4 +127,8 @@ def from_environ(environ: Optional[Mapping[str, str]] = None, **overrides) -> Co
         _log.warning("unknown HOROLITE_LOG_LEVEL=%r, using WARNING", level)
         level = "WARNING"
     values["log_level"] = level
+    mode = values.get("wait_mode", "poll").lower()
+    if mode not in ("poll", "block"):
+        raise ValueError(f"HOROLITE_WAIT_MODE={mode!r} must be poll or block")
+    values["wait_mode"] = mode
     return Config(explicit=frozenset(explicit), **values)

@@ -76,7 +76,12 @@ class Runtime:
         self.topology = Topology(comm)
         self.rank = self.topology.rank
         self.size = self.topology.size
-        polite = oversubscribed(self.topology.local_size)
+        # Blocking inside MPI spins a core; a rank whose neighbour (or whose framework's
+        # threads) need that core must poll and yield instead.
+        polite = cfg.wait_mode == "poll" or oversubscribed(self.topology.local_size)
+        if cfg.wait_mode == "block" and polite:
+            _log.warning("HOROLITE_WAIT_MODE=block ignored: %d ranks share this host's cores",
+                         self.topology.local_size)
         self.transport = MPITransport(comm, polite=polite)
         self.queue = TensorQueue()
         self.cache = ResponseCache(cfg.cache_capacity)
@@ -111,7 +116,7 @@ class Runtime:
                           (cfg.fusion_threshold, cfg.cycle_time_ms)))
         _log.info("horolite runtime up: rank %d of %d on %s (local %d/%d)%s", self.rank,
                   self.size, self.topology.hostname, self.topology.local_rank,
-                  self.topology.local_size, ", polling politely (oversubscribed)" if polite else "")
+                  self.topology.local_size, ", polling MPI" if polite else ", blocking in MPI")
         self._thread = threading.Thread(target=self._loop, name=f"horolite-background-{self.rank}",
                                         daemon=True)
         self._thread.start()

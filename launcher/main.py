@@ -135,6 +135,10 @@ def get_args_parser(environ: Optional[Mapping[str, str]] = None) -> argparse.Arg
     g.add_argument("--autotune", action="store_true",
                    help="tune fusion threshold and cycle time online (HOROLITE_AUTOTUNE)")
     g.add_argument("--autotune-log-file", help="CSV file of autotune samples (HOROLITE_AUTOTUNE_LOG)")
+    g.add_argument("--autotune-start", metavar="SETTINGS",
+                   help="where autotune starts, e.g. cycle_time_ms=50 (HOROLITE_AUTOTUNE_START)")
+    g.add_argument("--wait-mode", choices=("poll", "block"),
+                   help="how the background thread waits on MPI (HOROLITE_WAIT_MODE)")
 
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
     return p
@@ -171,6 +175,10 @@ def tunable_env(args: argparse.Namespace) -> Tuple[Tuple[str, str], ...]:
         env.append(("HOROLITE_AUTOTUNE", "1"))
     if args.autotune_log_file:
         env.append(("HOROLITE_AUTOTUNE_LOG", os.path.abspath(args.autotune_log_file)))
+    if args.autotune_start:
+        env.append(("HOROLITE_AUTOTUNE_START", args.autotune_start))
+    if args.wait_mode:
+        env.append(("HOROLITE_WAIT_MODE", args.wait_mode))
     return tuple(env)
 
 

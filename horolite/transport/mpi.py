@@ -57,7 +57,7 @@ class Waiter:
         while not test():
             spins += 1
             if spins > 64:
-                time.sleep(0 if spins < 256 else min(2e-6 * (spins - 255), 1e-3))
+                time.sleep(0 if spins < 256 else min(2e-6 * (spins - 255), 2e-4))
 
 
 class PointToPoint:

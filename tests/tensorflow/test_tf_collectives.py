@@ -12,12 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import horolite.runtime
 import horolite.tensorflow as hvd
 
-# TensorFlow's thread pools share the cores with the background thread: poll
-# politely so ranks do not starve each other (68 s -> 27 s for this file on 2 ranks).
-horolite.runtime.oversubscribed = lambda local_size: True
 hvd.init()
 R, N = hvd.rank(), hvd.size()
 MODES = ["eager", "function", "graph"]

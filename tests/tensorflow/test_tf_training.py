@@ -12,12 +12,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import horolite.runtime
 import horolite.tensorflow as hvd
 
-# TensorFlow's thread pools share the cores with the background thread: poll
-# politely so ranks do not starve each other (see the README section).
-horolite.runtime.oversubscribed = lambda local_size: True
 hvd.init()
 R, N = hvd.rank(), hvd.size()
 BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
