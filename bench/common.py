@@ -179,6 +179,16 @@ def _git_commit() -> str:
         return ""
 
 
+def _uncommitted() -> List[str]:
+    """horolite files that differ from the commit at run time (a shared checkout moves)."""
+    try:
+        out = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--", "horolite", "native"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
 def _command(ranks: int) -> str:
     script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
     return " ".join([f"horolite-run -np {ranks} python {script}", *sys.argv[1:]])
@@ -240,6 +250,7 @@ def finish(comm, args, name: str, payload: dict, columns: Sequence[str],
         "host": {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count(), "machine": platform.machine()},
         "git_commit": _git_commit(),
+        "uncommitted_runtime_files": _uncommitted(),
         "other_processes_busy_fraction": round(other, 3),
         "wall_seconds": round(t1 - t0, 1),
         "versions": _versions(),

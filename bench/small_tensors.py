@@ -113,10 +113,16 @@ def main(argv=None) -> None:
                   columns, table, targets, plot)
 
 
+# What the profile shows limits each target when it is missed (docs/benchmarks.md has the detail).
 LIMITS = {
-    "latency": "see docs/benchmarks.md, 'Where the time goes'",
-    "grouped": "see docs/benchmarks.md, 'Where the time goes'",
-    "async": "see docs/benchmarks.md, 'Where the time goes'",
+    "latency": "a cached tensor that the other rank has not submitted yet waits for the next cycle: "
+               "the background thread sleeps out its 1 ms cycle instead of going straight into "
+               "the next control allreduce; plus two thread hand-offs per call",
+    "grouped": "per-tensor Python cost on the background thread (request, handle, cache lookup, "
+               "np.prod of each shape, completion) for 200 tensors; the group is submitted one "
+               "tensor at a time, so a step often spans two cycles",
+    "async": "the same per-tensor Python cost as grouped, plus 200 submissions and waits on the "
+             "caller's thread",
 }
 
 if __name__ == "__main__":
