@@ -88,7 +88,7 @@ class DeviceExecutor:
         cp = self._cupy
         first = batch[0]
         op = ReduceOp(first.op)
-        postscale = first.postscale / self.size if op == ReduceOp.AVERAGE else first.postscale
+        postscale = first.total_postscale(self.size)
         names = [r.name for r in batch]
         inputs = [self._input(r, e) for r, e in zip(batch, entries)]
         outputs = [cp.empty(a.shape, dtype=a.dtype) for a in inputs]
@@ -165,7 +165,7 @@ class DeviceExecutor:
         start = host._queue_spans([resp], [entry])
         array = entry.array
         op = ReduceOp(resp.op)
-        postscale = resp.postscale / self.size if op == ReduceOp.AVERAGE else resp.postscale
+        postscale = resp.total_postscale(self.size)
         work = cp.empty(array.size, dtype=array.dtype)
         device_copy(work, self._flat(array))
         device_scale(work, resp.prescale)

@@ -129,7 +129,7 @@ class Executor:
     def _allreduce(self, batch: List[Response], entries: List[Optional[Entry]]) -> None:
         first = batch[0]
         op = ReduceOp(first.op)
-        postscale = first.postscale / self.size if op == ReduceOp.AVERAGE else first.postscale
+        postscale = first.total_postscale(self.size)
         names = [r.name for r in batch]
         inputs = [self._input(r, e) for r, e in zip(batch, entries)]
         outputs = [np.empty(a.shape, dtype=a.dtype) for a in inputs]
@@ -195,7 +195,7 @@ class Executor:
         start = self._queue_spans([resp], [entry])
         array = entry.array
         op = ReduceOp(resp.op)
-        postscale = resp.postscale / self.size if op == ReduceOp.AVERAGE else resp.postscale
+        postscale = resp.total_postscale(self.size)
         work = np.empty(array.size, dtype=array.dtype)
         kernels.pack(work.view(np.uint8), [array], resp.prescale)
         rows = array.shape[0] if array.ndim else 1

@@ -69,6 +69,10 @@ class Response:
     # Response-cache slot the tensor was answered from (-1: negotiated in full).
     cache_slot: int = field(default=-1, compare=False)
 
+    def total_postscale(self, size: int) -> float:
+        """The postscale with Average's 1/size folded in (one multiply, in the last step)."""
+        return self.postscale / size if self.op == 0 else self.postscale  # 0: ReduceOp.AVERAGE
+
     @classmethod
     def from_request(cls, req: Request, **extra) -> "Response":
         return cls(kind=req.kind, name=req.name, dtype=req.dtype, shape=req.shape, op=req.op,
