@@ -44,31 +44,12 @@ else:
     print(json.dumps({"ok": True, "detail": f"{lib}; mpi4py {mpi4py.__version__}"}))
 """
 
+# One definition of "NCCL is usable": the runtime's own (CuPy imports, a GPU, NCCL loads).
 _NCCL = """
 import json
-def out(ok, **kw):
-    print(json.dumps(dict(ok=ok, **kw)))
-try:
-    import cupy
-except Exception as e:
-    out(False, reason=f"cupy is not installed or does not import ({type(e).__name__}: {e})")
-else:
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        n, err = 0, f"{type(e).__name__}: {e}"
-    else:
-        err = "the CUDA runtime reports 0 devices"
-    if n < 1:
-        out(False, reason=f"no GPU ({err})")
-    else:
-        try:
-            from cupy.cuda import nccl
-            version = nccl.get_version()
-        except Exception as e:
-            out(False, reason=f"cupy.cuda.nccl does not load ({type(e).__name__}: {e})")
-        else:
-            out(True, detail=f"NCCL {version}, {n} GPU(s), cupy {cupy.__version__}")
+from horolite.device import nccl_status
+ok, text = nccl_status()
+print(json.dumps({"ok": ok, "detail": text} if ok else {"ok": False, "reason": text}))
 """
 
 
