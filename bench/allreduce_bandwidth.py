@@ -140,6 +140,7 @@ def main(argv=None) -> None:
         ax.plot(xs, [busbw(r["bytes"], r["bound_s"], n) / 1e9 for r in ordered], "k-", alpha=0.4,
                 label="memory bound: busbw if it took one numpy.add")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("buffer size (bytes, float32)")
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.legend(fontsize=8)

@@ -30,18 +30,31 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 
 
 def _cpu_snapshot():
-    """(wall seconds, busy CPU-seconds of the whole machine, CPU-seconds of this process)."""
+    """(wall seconds, busy CPU-seconds of the whole machine, CPU-seconds of this process
+    and its finished children)."""
     try:
         with open("/proc/stat") as f:
             fields = [float(x) for x in f.readline().split()[1:]]
         busy = (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError):
         busy = float("nan")
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return time.monotonic(), busy, ru.ru_utime + ru.ru_stime
+    own = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):  # children: the TF workers
+        ru = resource.getrusage(who)
+        own += ru.ru_utime + ru.ru_stime
+    return time.monotonic(), busy, own
 
 
 _START = _cpu_snapshot()
+
+
+def other_busy_so_far() -> float:
+    """Fraction of the cores other processes used since this process started (approximate:
+    this process's own CPU time only, so call it where the other ranks are similar)."""
+    t1, b1, own1 = _cpu_snapshot()
+    t0, b0, own0 = _START
+    ranks = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+    return max(0.0, ((b1 - b0) - ranks * (own1 - own0)) / ((t1 - t0) * (os.cpu_count() or 1)))
 
 
 def machine_busy(seconds: float = 1.0) -> float:

@@ -205,9 +205,12 @@ def orchestrate(args) -> None:
     ]
     targets = [
         Target("images/sec, horolite / MultiWorkerMirroredStrategy", ratio, 1.3, "x", True,
-               "see docs/benchmarks.md, 'Where the time goes'"),
+               "per-step gradient exchange through tf.numpy_function and the background cycle "
+               "(not yet profiled in training: see docs/benchmarks.md)"),
         Target(f"scaling efficiency ({n} ranks vs {n} x one process, 1 thread each)", efficiency,
-               0.9, "", True, "see docs/benchmarks.md, 'Where the time goes'"),
+               0.9, "", True, "cores: the 2-rank runs need both cores, which other processes "
+               f"were using ({100 * common.other_busy_so_far():.0f}% busy); the 1-process "
+               "baseline needs only one"),
     ]
 
     def plot(ax):
