@@ -12,6 +12,10 @@ of the step. Enqueues never block, so no TensorFlow thread can sit in a wait
 while a tensor that another rank is waiting for still needs a thread to be
 enqueued: no cross-rank deadlock whatever order TensorFlow schedules in.
 
+On a GPU job (NCCL up on every rank) the two ops are `tf.py_function`s instead,
+so GPU tensors reach the runtime through DLPack and travel over NCCL without a
+host copy; host tensors in the same job still go through NumPy.
+
 Names: an explicit name is used as given in eager mode; in graphs it is made
 unique within the graph (`graph.unique_name`), and a missing name is derived
 from the input tensor's name there, so ranks that build the same graph agree.
@@ -104,12 +108,45 @@ def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor]):
     """Run `submit(*arrays) -> Handle` as an op; returns the int64 handle id (a Python int eagerly)."""
     # Copy: the runtime keeps the array after this op returns, and must never
     # hold (or be the last to release) memory that TensorFlow owns.
-    fn = _guarded(lambda *arrays: _store(submit(*[np.array(a, copy=True) for a in arrays])))
-    if tf.executing_eagerly():
-        return fn(*[t.numpy() for t in tensors])
-    hid = tf.numpy_function(fn, list(tensors), tf.int64, stateful=True, name="HorolitEnqueue")
+    if _nccl_active():
+        # GPU job: tf.py_function hands over the tensors where they live, and GPU
+        # tensors go to the runtime through DLPack, so they travel over NCCL.
+        fn = _guarded(lambda *ts: _store(submit(*[_to_runtime(t) for t in ts])))
+        if tf.executing_eagerly():
+            return fn(*tensors)
+        hid = tf.py_function(fn, list(tensors), tf.int64, name="HorolitEnqueue")
+    else:
+        fn = _guarded(lambda *arrays: _store(submit(*[np.array(a, copy=True) for a in arrays])))
+        if tf.executing_eagerly():
+            return fn(*[t.numpy() for t in tensors])
+        hid = tf.numpy_function(fn, list(tensors), tf.int64, stateful=True, name="HorolitEnqueue")
     hid.set_shape([])
     return hid
+
+
+def _nccl_active() -> bool:
+    """True when the runtime moves device arrays over NCCL (every rank has a GPU)."""
+    try:
+        return _core.basics.runtime().nccl is not None
+    except NotInitializedError:
+        return False
+
+
+def _to_runtime(t: tf.Tensor):
+    """A GPU tensor as a CuPy copy made on the device (DLPack view, then a device copy:
+    TensorFlow may reuse the tensor's memory once the op returns); a host tensor as a
+    NumPy copy."""
+    if "GPU" in (t.device or ""):
+        from horolite.device import tf_to_cupy
+        return tf_to_cupy(t).copy()
+    return np.array(t.numpy(), copy=True)
+
+
+def _from_runtime(result, dtype: tf.DType) -> tf.Tensor:
+    if hasattr(result, "__cuda_array_interface__"):
+        from horolite.device import cupy_to_tf
+        return tf.cast(cupy_to_tf(result), dtype)
+    return tf.convert_to_tensor(np.asarray(result).astype(dtype.as_numpy_dtype, copy=False))
 
 
 def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence) -> List[tf.Tensor]:
@@ -122,6 +159,20 @@ def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence) -> List[tf.Tensor]:
             result = [result]
         return [np.asarray(r).astype(d, copy=False) for r, d in zip(result, np_dtypes)]
 
+    if _nccl_active():
+        def fetch_tensors(h):
+            result = _take(int(h)).result()
+            if not isinstance(result, (list, tuple)):
+                result = [result]
+            return [_from_runtime(r, d) for r, d in zip(result, dtypes)]
+
+        gpu_fn = _guarded(fetch_tensors)
+        if tf.executing_eagerly():
+            return gpu_fn(hid)
+        outs = tf.py_function(gpu_fn, [hid], list(dtypes), name="HorolitWait")
+        for out, shape in zip(outs, shapes):
+            out.set_shape(shape)
+        return list(outs)
     fn = _guarded(fetch)
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(r) for r in fn(hid)]

@@ -319,3 +319,20 @@ def test_tensorflow_gpu_tensor_round_trip():
     # An eager GPU tensor passed as it is: DLPack, without TensorFlow's (refused) stream handshake.
     direct = hvd.allreduce(t, op=hvd.Sum, name="gpu.tf.direct")
     np.testing.assert_allclose(to_host(direct, "cuda"), np.full(4, SIZE * (SIZE + 1) / 2))
+
+
+@needs_gpu
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_tensorflow_adapter_keeps_gpu_tensors_on_the_gpu(mode):
+    tf = pytest.importorskip("tensorflow")
+    if not tf.config.list_physical_devices("GPU"):
+        pytest.skip("TensorFlow sees no GPU")
+    import horolite.tensorflow as hvd_tf
+    with tf.device(f"/GPU:{RT.nccl.device_id}"):
+        x = tf.fill([5], float(RANK + 1))
+
+        def reduce(t):
+            return hvd_tf.allreduce(t, op=hvd.Sum, name=f"gpu.adapter.{mode}")
+        out = reduce(x) if mode == "eager" else tf.function(reduce)(x)
+    assert "GPU" in out.device
+    np.testing.assert_allclose(out.numpy(), np.full(5, SIZE * (SIZE + 1) / 2))
