@@ -226,9 +226,9 @@ def orchestrate(args) -> None:
                "CPU per 30 ms step) takes the core TensorFlow's one thread needs; and the load of "
                "other processes (see docs/benchmarks.md)"),
         Target(f"scaling efficiency ({n} ranks vs {n} x one process, 1 thread each)", efficiency,
-               0.9, "", True, "cores: the 2-rank runs need both cores, which other processes "
-               f"were using ({100 * common.other_busy_so_far():.0f}% busy); the 1-process "
-               "baseline needs only one"),
+               0.9, "", True, "CPU: the background thread's cycling (10-17 ms of CPU per 30 ms "
+               "step) shares the core of TensorFlow's one thread; other processes used "
+               f"{100 * common.other_busy_so_far():.0f}% of the cores during the run"),
     ]
 
     def plot(ax):
