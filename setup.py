@@ -23,7 +23,7 @@ setup(
     description="Horovod-style data-parallel training runtime: ring allreduce over MPI and NCCL",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     packages=find_packages(include=["horolite", "horolite.*"]) + ["horolite.launcher"],
     package_dir={"horolite.launcher": "launcher"},
     setup_requires=["cffi>=1.15"],

@@ -7,12 +7,14 @@ Results are new arrays: inputs are never written.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from typing import List, Optional, Sequence
 
 import numpy as np
 
 from . import device as _device
+from . import kernels
 from .basics import runtime
 from .errors import InvalidCollectiveError
 from .handle import Handle
@@ -96,8 +98,24 @@ def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: fl
 
 def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
-    """One handle for several allreduces, submitted together so they fuse together."""
+    """One handle, and one request, for several allreduces.
+
+    Host arrays of one dtype are packed here into one buffer and travel as a
+    single tensor (one negotiation, one cache entry); the results are views
+    into the reduced buffer. Mixed dtypes or device arrays go as separate
+    tensors submitted together, so they still fuse.
+    """
     base = name or _auto_name("grouped_allreduce")
+    op = _reduce_op(op, base)
+    arrays = [_as_array(a, f"{base}.{i}", Kind.ALLREDUCE) for i, a in enumerate(arrays)]
+    if arrays and all(isinstance(a, np.ndarray) for a in arrays) and \
+            len({a.dtype for a in arrays}) == 1:
+        shapes = tuple(tuple(a.shape) for a in arrays)
+        packed = np.empty(sum(a.size for a in arrays), dtype=arrays[0].dtype)
+        kernels.pack(packed.view(np.uint8), arrays)
+        return _submit(Kind.ALLREDUCE, packed, base, transform=lambda flat: _split(flat, shapes),
+                       op=int(op), prescale=float(prescale_factor),
+                       postscale=float(postscale_factor), group=shapes)
     children = [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor)
                 for i, a in enumerate(arrays)]
     group = Handle(base)
@@ -121,6 +139,15 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
     for child in children:
         child.add_done_callback(child_done)
     return group
+
+
+def _split(flat: np.ndarray, shapes) -> List[np.ndarray]:
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[offset:offset + n].reshape(shape))
+        offset += n
+    return out
 
 
 def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None,

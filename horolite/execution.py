@@ -6,6 +6,7 @@ same transport calls in the same order.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from functools import lru_cache
 from typing import Callable, List, Optional, Sequence
@@ -31,7 +32,12 @@ def _dtype(name: str) -> np.dtype:
 
 
 def _nbytes(resp: Response) -> int:
-    return int(np.prod(resp.shape, dtype=np.int64)) * _dtype(resp.dtype).itemsize
+    # Cached on the response: cached responses come back every step, and this is
+    # asked per tensor per cycle (fusion planning, autotune's byte count).
+    nbytes = resp.__dict__.get("_nbytes")
+    if nbytes is None:
+        nbytes = resp.__dict__["_nbytes"] = math.prod(resp.shape) * _dtype(resp.dtype).itemsize
+    return nbytes
 
 
 def _error_for(resp: Response) -> HorovodInternalError:

@@ -6,41 +6,58 @@ an exception (the pattern of concurrent.futures).
 from __future__ import annotations
 
 import threading
+from _thread import allocate_lock
 from typing import Any, Callable, List, Optional
 
 __all__ = ["Handle"]
 
+# Guards completion against add_done_callback; held for a few instructions only.
+_callback_lock = threading.Lock()
+
 
 class Handle:
-    __slots__ = ("name", "_event", "_result", "_exception", "_callbacks", "_lock", "_transform")
+    # A plain lock, held from creation until completion, is the cheapest thing a
+    # waiter can block on (threading.Event builds a Condition per handle).
+    __slots__ = ("name", "_done", "_gate", "_result", "_exception", "_callbacks", "_transform")
 
     def __init__(self, name: str, transform: Optional[Callable[[Any], Any]] = None):
         self.name = name
-        self._event = threading.Event()
+        self._done = False
+        self._gate = allocate_lock()
+        self._gate.acquire()
         self._result = None
         self._exception: Optional[BaseException] = None
-        self._callbacks: List[Callable[["Handle"], None]] = []
-        self._lock = threading.Lock()
+        self._callbacks: Optional[List[Callable[["Handle"], None]]] = None
         self._transform = transform
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
+
+    def _wait(self, timeout: Optional[float]) -> bool:
+        if self._done:
+            return True
+        if not self._gate.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            return False
+        self._gate.release()  # let any other waiter through
+        return True
 
     def result(self, timeout: Optional[float] = None):
-        if not self._event.wait(timeout):
+        if not self._wait(timeout):
             raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s")
         if self._exception is not None:
             raise self._exception
         return self._result
 
     def exception(self) -> Optional[BaseException]:
-        self._event.wait()
+        self._wait(None)
         return self._exception
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
         """Call fn(handle) once done (at once if already done)."""
-        with self._lock:
-            if not self._event.is_set():
+        with _callback_lock:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -59,13 +76,14 @@ class Handle:
         self._finish(None, exc)
 
     def _finish(self, value, exc) -> None:
-        with self._lock:
-            if self._event.is_set():
+        with _callback_lock:
+            if self._done:
                 return
             self._result, self._exception = value, exc
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+        self._gate.release()
+        for fn in callbacks or ():
             try:
                 fn(self)
             except Exception:  # a callback's failure must not kill the background thread

@@ -26,7 +26,7 @@ class Kind(enum.IntEnum):
         return self.name.lower()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Request:
     """One rank's description of a tensor it submitted."""
     name: str
@@ -38,11 +38,13 @@ class Request:
     prescale: float = 1.0
     postscale: float = 1.0
     device: str = "cpu"
+    # A grouped allreduce sent as one request: the shapes of its members.
+    group: Tuple[Tuple[int, ...], ...] = ()
 
     def signature(self) -> tuple:
         """Everything but the name: equal signatures mean a cached response still fits."""
         return (self.kind, self.dtype, self.shape, self.op, self.root,
-                self.prescale, self.postscale, self.device)
+                self.prescale, self.postscale, self.device, self.group)
 
 
 @dataclass

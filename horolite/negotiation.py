@@ -32,6 +32,8 @@ def _describe(field: str, value) -> str:
             return str(value)
     if field == "shape":
         return str(tuple(value))
+    if field == "group":
+        return "[" + ", ".join(str(tuple(v)) for v in value) + "]" if value else "no group"
     return str(value)
 
 
@@ -76,7 +78,9 @@ def check_requests(name: str, requests: Dict[int, Request], size: int,
         if problem:
             return fail(problem)
     else:
-        problem = _disagreement("shape", "shape", {r: tuple(q.shape) for r, q in requests.items()})
+        problem = (_disagreement("group", "group member shapes",
+                                 {r: q.group for r, q in requests.items()})
+                   or _disagreement("shape", "shape", {r: tuple(q.shape) for r, q in requests.items()}))
         if problem:
             return fail(problem)
 

@@ -36,9 +36,21 @@ REDUCIBLE_DTYPES = {
 MOVABLE_DTYPES = dict(REDUCIBLE_DTYPES, bool=8)
 
 
+_NAMES = {}
+
+
 def dtype_name(dtype) -> str:
-    """Canonical name of a NumPy dtype (bfloat16 comes from ml_dtypes)."""
-    return np.dtype(dtype).name
+    """Canonical name of a NumPy dtype (bfloat16 comes from ml_dtypes); cached, since
+    numpy computes `dtype.name` in Python on every access."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):
+        name = np.dtype(dtype).name
+        try:
+            _NAMES[dtype] = name
+        except TypeError:
+            pass
+        return name
 
 
 def dtype_from_name(name: str) -> np.dtype:

@@ -148,10 +148,12 @@ class Runtime:
                 if not self._cycle():
                     break
                 if self.queue.has_inflight():
+                    # Work is waiting on other ranks: space the cycles out, but start
+                    # at once when new work arrives (a tight loop submits while we run).
                     idle_cycles = 0
                     remaining = self._cycle_seconds - (time.monotonic() - start)
                     if remaining > 0:
-                        time.sleep(remaining)
+                        self.queue.wake.wait(remaining)
                 else:
                     # Nothing in flight here, so no other rank can be waiting on this one
                     # until it submits: back off, and start a cycle as soon as work arrives.

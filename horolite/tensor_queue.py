@@ -20,7 +20,7 @@ from .messages import Request
 __all__ = ["Entry", "TensorQueue"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     request: Request
     array: Optional[np.ndarray]

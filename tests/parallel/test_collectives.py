@@ -222,3 +222,15 @@ def test_topology():
     assert isinstance(hvd.mpi_threads_supported(), bool)
     hvd.init()  # idempotent
     assert hvd.rank() == RANK
+
+
+def test_grouped_allreduce_mixed_dtypes_and_repeat():
+    arrays = [np.full(3, RANK, np.float32), np.full((2, 2), RANK, np.int64)]
+    for _ in range(3):  # the second and third go through the response cache
+        f, i = hvd.grouped_allreduce(arrays, op=hvd.Sum, name="group.mixed")
+        assert f.dtype == np.float32 and i.dtype == np.int64 and i.shape == (2, 2)
+        assert (f == sum(range(SIZE))).all() and (i == sum(range(SIZE))).all()
+    for _ in range(3):
+        a, b = hvd.grouped_allreduce([np.full(5, 1.0 + RANK), np.full((1, 2), 2.0)], name="group.same")
+        np.testing.assert_allclose(a, np.full(5, 1 + (SIZE - 1) / 2))
+        np.testing.assert_allclose(b, np.full((1, 2), 2.0))

@@ -125,3 +125,13 @@ def test_alltoall_bad_splits():
         with pytest.raises(hvd.InvalidCollectiveError, match="not divisible"):
             hvd.alltoall(np.ones(SIZE + 1), name="bad.even")
     still_works("splits")
+
+
+@multi
+def test_grouped_member_shapes_mismatch():
+    # Same total size, different members: caught, not silently mis-split.
+    shapes = [(2,), (3,)] if RANK == 0 else [(3,), (2,)]
+    with pytest.raises(hvd.TensorMismatchError,
+                       match=r"tensor 'grp.mm': mismatched group member shapes: rank 0 had \[\(2,\), \(3,\)\]"):
+        hvd.grouped_allreduce([np.ones(s) for s in shapes], name="grp.mm")
+    still_works("group")
