@@ -1,0 +1,46 @@
+"""Every example runs under horolite-run on 2 ranks (the README's main job among them)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+pytest.importorskip("horolite.launcher")
+
+
+def run_example(name, np_, *args, timeout=600):
+    cmd = [sys.executable, "-m", "horolite.launcher", "-np", str(np_), sys.executable,
+           os.path.join(EXAMPLES, name), *args]
+    # Not from the checkout's root: there `horolite` is the source folder, without the launcher.
+    proc = subprocess.run(cmd, cwd=EXAMPLES, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_numpy_logistic_regression():
+    out = run_example("numpy_logistic_regression.py", 2)
+    assert float(re.search(r"test accuracy=([\d.]+)", out).group(1)) > 0.95
+
+
+tf = pytest.importorskip("tensorflow")
+
+
+def test_digits_same_accuracy_on_one_and_two_ranks():
+    acc = {}
+    for np_ in (1, 2):
+        out = run_example("tensorflow2_digits.py", np_)
+        acc[np_] = float(re.search(r"test accuracy: ([\d.]+)", out).group(1))
+    # Same data, same global batches: only float reduction order differs (TensorFlow's own
+    # kernels are not bit-reproducible run to run either), so a few of 360 test images may flip.
+    assert acc[1] > 0.9 and abs(acc[1] - acc[2]) <= 0.02, acc
+
+
+@pytest.mark.parametrize("name", ["tensorflow1_legacy_optimizer.py", "keras_fit.py",
+                                  "tensorflow2_synthetic_benchmark.py"])
+def test_tensorflow_examples(name):
+    out = run_example(name, 2)
+    assert "[0]<stdout>:" in out
