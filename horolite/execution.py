@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from functools import lru_cache
 from typing import Callable, List, Optional, Sequence
@@ -40,6 +41,34 @@ def _nbytes(resp: Response) -> int:
     return nbytes
 
 
+class OutputPool:
+    """Result arrays of >= 1 MiB, reused once the caller has dropped them.
+
+    A fresh np.empty of many MiB is a new mmap whose first touch faults and
+    zeroes every page: at 64 MiB that costs more than the copy into it. The
+    pool keeps the last few results per (shape, dtype) and hands one out again
+    only when nothing but the pool refers to it (a view or a buffer export
+    holds a reference, so an array still in use is never reused).
+    """
+    MIN_BYTES = 1 << 20
+    PER_KEY = 2
+
+    def __init__(self):
+        self._arrays = {}
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        if math.prod(shape) * dtype.itemsize < self.MIN_BYTES:
+            return np.empty(shape, dtype=dtype)
+        kept = self._arrays.setdefault((shape, dtype), [])
+        for a in kept:
+            if sys.getrefcount(a) <= 3:  # the list, `a`, and getrefcount's argument
+                return a
+        a = np.empty(shape, dtype=dtype)
+        if len(kept) < self.PER_KEY:
+            kept.append(a)
+        return a
+
+
 def _error_for(resp: Response) -> HorovodInternalError:
     cls = TensorMismatchError if resp.error_type == "mismatch" else InvalidCollectiveError
     return cls(resp.error)
@@ -53,6 +82,7 @@ class Executor:
         self.size = transport.size
         self.fusion_threshold = fusion_threshold
         self.fusion = FusionBuffer(fusion_threshold)
+        self.outputs = OutputPool()
         self.timeline = timeline
         # GPU path: a device_execution.DeviceExecutor, set by the runtime when NCCL is up.
         self.device = None
@@ -138,9 +168,14 @@ class Executor:
         postscale = first.total_postscale(self.size)
         names = [r.name for r in batch]
         inputs = [self._input(r, e) for r, e in zip(batch, entries)]
-        outputs = [np.empty(a.shape, dtype=a.dtype) for a in inputs]
+        outputs = [self.outputs.empty(a.shape, a.dtype) for a in inputs]
         start = self._queue_spans(batch, entries)
-        if len(batch) == 1:
+        if len(batch) == 1 and first.prescale == 1.0:
+            # No copy into the output first: the ring reads the input and writes the output.
+            self.transport.allreduce_from(inputs[0].reshape(-1), outputs[0].reshape(-1), op,
+                                          postscale)
+            self._span(names, "ALLREDUCE", start, time.monotonic())
+        elif len(batch) == 1:
             flat = outputs[0].reshape(-1)
             kernels.pack(flat.view(np.uint8), inputs, first.prescale)
             t1 = time.monotonic()

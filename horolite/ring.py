@@ -67,6 +67,28 @@ class Ring:
         self.scatter_reduce(buf, bounds, op, postscale)
         self.allgather(buf, bounds)
 
+    def allreduce_from(self, src: np.ndarray, dst: np.ndarray, op: ReduceOp,
+                       postscale: float = 1.0) -> None:
+        """dst = allreduce(src) (1-D, contiguous, same size) without copying src into dst
+        first: step 0 sends from src, and each step writes dst[seg] = src[seg] op incoming,
+        piece by piece while the piece is in cache; the allgather fills the rest of dst."""
+        if self.size == 1 or src.size == 0:
+            kernels.pack(dst.view(np.uint8), [src], postscale)
+            return
+        n, r = self.size, self.rank
+        bounds = even_bounds(src.size, n)
+        largest = max(bounds[i + 1] - bounds[i] for i in range(n))
+        scratch = self._scratch_for(largest * src.itemsize)
+        for step in range(n - 1):
+            send_seg, recv_seg = (r - step - 1) % n, (r - step - 2) % n
+            send = (src if step == 0 else dst)[bounds[send_seg]:bounds[send_seg + 1]]
+            target = dst[bounds[recv_seg]:bounds[recv_seg + 1]]
+            base = src[bounds[recv_seg]:bounds[recv_seg + 1]]
+            incoming = scratch[:target.nbytes].view(src.dtype)
+            scale = postscale if step == n - 2 else 1.0
+            self._exchange_and_reduce(send, incoming, target, op, scale, base=base)
+        self.allgather(dst, bounds)
+
     def scatter_reduce(self, buf: np.ndarray, bounds: Sequence[int], op: ReduceOp,
                        postscale: float = 1.0) -> None:
         """After this, segment `rank` of `buf` holds the reduction over all ranks."""
@@ -98,7 +120,7 @@ class Ring:
                                 _bytes(buf[bounds[recv_seg]:bounds[recv_seg + 1]]))
 
     def _exchange_and_reduce(self, send: np.ndarray, incoming: np.ndarray, target: np.ndarray,
-                             op: ReduceOp, postscale: float) -> None:
+                             op: ReduceOp, postscale: float, base=None) -> None:
         # Each message is cut by its own size, so sender and receiver agree on the pieces.
         item = send.itemsize
         recv_bounds = even_bounds(target.size, _piece_count(target.nbytes))
@@ -112,6 +134,8 @@ class Ring:
             self._link.wait(req)
             lo, hi = recv_bounds[k], recv_bounds[k + 1]
             if hi > lo:
+                if base is not None:  # target starts as this rank's own contribution
+                    np.copyto(target[lo:hi], base[lo:hi])
                 kernels.reduce_into(target[lo:hi], incoming[lo:hi], op, postscale)
         self._link.wait_all(sends)
 

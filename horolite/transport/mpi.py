@@ -117,6 +117,9 @@ class MPITransport:
     def allreduce(self, buf: np.ndarray, op, postscale: float) -> None:
         self.ring.allreduce(buf, op, postscale)
 
+    def allreduce_from(self, src: np.ndarray, dst: np.ndarray, op, postscale: float) -> None:
+        self.ring.allreduce_from(src, dst, op, postscale)
+
     def reducescatter(self, buf: np.ndarray, bounds: List[int], op, postscale: float) -> None:
         self.ring.scatter_reduce(buf, bounds, op, postscale)
 

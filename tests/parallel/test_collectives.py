@@ -234,3 +234,21 @@ def test_grouped_allreduce_mixed_dtypes_and_repeat():
         a, b = hvd.grouped_allreduce([np.full(5, 1.0 + RANK), np.full((1, 2), 2.0)], name="group.same")
         np.testing.assert_allclose(a, np.full(5, 1 + (SIZE - 1) / 2))
         np.testing.assert_allclose(b, np.full((1, 2), 2.0))
+
+
+def test_large_results_are_never_reused_while_anything_holds_them():
+    # Results of >= 1 MiB come from a pool; one still referenced (even through a view) must
+    # never be handed out again.
+    total = sum(range(1, SIZE + 1))
+    x = np.full(300_000, RANK + 1.0, np.float32)
+    first = hvd.allreduce(x, op=hvd.Sum, name="pool")
+    kept = hvd.allreduce(x, op=hvd.Sum, name="pool")
+    view = first[:10]
+    del first
+    results = [hvd.allreduce(x * k, op=hvd.Sum, name="pool") for k in (2, 3, 4)]
+    assert (view == total).all() and (kept == total).all()
+    for k, r in zip((2, 3, 4), results):
+        assert (r == k * total).all()
+    del results
+    again = hvd.allreduce(x * 5, op=hvd.Sum, name="pool")  # may reuse a dropped one
+    assert (again == 5 * total).all() and (view == total).all() and (kept == total).all()
