@@ -54,10 +54,15 @@ class Waiter:
         # Spin briefly (a neighbour that is running answers in microseconds), then
         # yield, then sleep longer and longer so a descheduled neighbour gets the core.
         spins = 0
+        pause = 1e-5
         while not test():
             spins += 1
             if spins > 64:
-                time.sleep(0 if spins < 256 else min(2e-6 * (spins - 255), 2e-4))
+                if spins < 80:
+                    time.sleep(0)
+                else:
+                    time.sleep(pause)
+                    pause = min(pause * 1.5, 5e-4)
 
 
 class PointToPoint:
