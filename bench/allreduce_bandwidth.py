@@ -151,11 +151,11 @@ def main(argv=None) -> None:
 
 # What the profile shows limits each target when it is missed (docs/benchmarks.md has the detail).
 LIMITS = {
-    "vs_mpi": "every call returns a fresh result array whose first touch page-faults (about 40% "
-              "of the time at 64-256 MiB), and the input is copied into it before the ring",
-    "bound": "the transport: MPI moves bytes through a shared-memory bounce buffer, so a Sendrecv "
-             "of half the buffer costs about one numpy.add of all of it; a ring needs two plus a "
-             "reduction, about 2x the bound at best without single-copy transfers",
+    "vs_mpi": "the transport: MPICH moves every ring message through a shared-memory bounce "
+              "buffer (two copies; turning CMA single-copy on changed nothing here), so each "
+              "ring step costs about as much as MPI_Allreduce's own reduction steps",
+    "bound": "the same bounce-buffer copies: a Sendrecv of half the buffer costs about one "
+             "numpy.add of all of it, and a ring needs two plus a reduction",
     "1mib": "the fixed cost of a background cycle (control allreduce, cache bits, two thread "
             "hand-offs) on top of the ring",
 }

@@ -74,3 +74,9 @@ def test_training_throughput(tmp_path):
     assert doc["plot"] is None
     assert {t["name"].split(",")[0] for t in doc["targets"]} >= {
         "images/sec", "scaling efficiency (2 ranks vs 2 x one process"}
+
+
+def test_autotune_recovery(tmp_path):
+    doc = run_bench("autotune_recovery", tmp_path)
+    assert set(doc["hand_set_bytes_per_s"]) == {"1", "5", "50"}
+    assert doc["autotune_settled_bytes_per_s"] > 0 and len(doc["setting"]) == 2
