@@ -77,15 +77,19 @@ def _check(rc: int) -> None:
         raise ValueError(f"native kernel failed: {_ERRORS.get(rc, f'error {rc}')}")
 
 
+def _same_kind(what: str, out_name: str, out: np.ndarray, src: np.ndarray):
+    """(dtype code, element count) once `out` and `src` are checked to match."""
+    code = _code(out.dtype)
+    if src.dtype != out.dtype:
+        raise TypeError(f"{what}: {out_name} is {out.dtype} but src is {src.dtype}")
+    if src.size != out.size:
+        raise ValueError(f"{what}: {out_name} has {out.size} elements but src has {src.size}")
+    return code, out.size
+
+
 def reduce_into(acc: np.ndarray, src: np.ndarray, op: ReduceOp, postscale: float = 1.0) -> None:
     """acc = (acc op src) * postscale, in one pass (AVERAGE reduces like SUM)."""
-    dtype = acc.dtype
-    code = _code(dtype)
-    if src.dtype != dtype:
-        raise TypeError(f"reduce_into: acc is {dtype} but src is {src.dtype}")
-    count = acc.size
-    if src.size != count:
-        raise ValueError(f"reduce_into: acc has {count} elements but src has {src.size}")
+    code, count = _same_kind("reduce_into", "acc", acc, src)
     opc = _OP_CODES.get(op)
     if opc is None:
         raise ValueError(f"unsupported reduce op {op!r}: the kernels do "
@@ -96,13 +100,7 @@ def reduce_into(acc: np.ndarray, src: np.ndarray, op: ReduceOp, postscale: float
 
 def scale_into(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
     """dst = src * factor (dst may be src)."""
-    dtype = dst.dtype
-    code = _code(dtype)
-    if src.dtype != dtype:
-        raise TypeError(f"scale_into: dst is {dtype} but src is {src.dtype}")
-    count = dst.size
-    if src.size != count:
-        raise ValueError(f"scale_into: dst has {count} elements but src has {src.size}")
+    code, count = _same_kind("scale_into", "dst", dst, src)
     _check(_lib.hl_scale(_buf(dst, "dst", True), _buf(src, "src"), count, code, factor))
 
 
