@@ -18,7 +18,7 @@ from . import kernels
 from .basics import runtime
 from .errors import InvalidCollectiveError
 from .handle import Handle
-from .messages import Kind, Request
+from .messages import JOIN_NAME, Kind, Request
 from .ops import MOVABLE_DTYPES, REDUCIBLE_DTYPES, Average, ReduceOp, dtype_name
 from .tensor_queue import Entry
 
@@ -227,7 +227,7 @@ def barrier() -> None:
 
 
 def join_async() -> Handle:
-    return _submit(Kind.JOIN, None, "join")
+    return _submit(Kind.JOIN, None, JOIN_NAME)
 
 
 def join() -> int:

@@ -9,7 +9,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-__all__ = ["Kind", "Request", "Response"]
+__all__ = ["Kind", "Request", "Response", "JOIN_NAME"]
+
+# The name join() travels under: not one a user would pick for a tensor.
+JOIN_NAME = "horolite.join"
 
 
 class Kind(enum.IntEnum):

@@ -10,7 +10,7 @@ import time
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .messages import Kind, Request, Response
+from .messages import JOIN_NAME, Kind, Request, Response
 from .ops import ReduceOp
 
 __all__ = ["Coordinator", "check_requests", "format_ranks"]
@@ -138,7 +138,7 @@ class Coordinator:
         if len(self._joined) == self.size:
             last = next(reversed(self._joined))
             self._joined.clear()
-            out.append(Response(kind=Kind.JOIN, name="join", last_joined=last))
+            out.append(Response(kind=Kind.JOIN, name=JOIN_NAME, last_joined=last))
         return out
 
     def stalled(self, now: float, after: float) -> List[Tuple[str, List[int], List[int], float]]:

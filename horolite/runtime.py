@@ -22,7 +22,7 @@ from . import config as config_mod
 from .autotune import Autotuner, parse_start
 from .errors import HorovodInternalError, ShutdownError, StallError
 from .execution import Executor
-from .messages import Kind, Response
+from .messages import JOIN_NAME, Kind, Response
 from .negotiation import Coordinator, format_ranks
 from .response_cache import HIT, INVALID, ResponseCache
 from .stall import StallInspector
@@ -156,9 +156,11 @@ class Runtime:
                         self.queue.wake.wait(remaining)
                 else:
                     # Nothing in flight here, so no other rank can be waiting on this one
-                    # until it submits: back off, and start a cycle as soon as work arrives.
+                    # until it submits (and submitting wakes us): after a couple of cycles,
+                    # back off to IDLE_MAX_SECONDS; a cycle starts as soon as work arrives.
                     idle_cycles += 1
-                    pause = min(self._cycle_seconds * (1 + idle_cycles // 16), IDLE_MAX_SECONDS)
+                    pause = (self._cycle_seconds if idle_cycles <= 2
+                             else max(self._cycle_seconds, IDLE_MAX_SECONDS))
                     self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))
         except BaseException as e:  # a bug: report it everywhere rather than hang the job
             _log.exception("rank %d: background thread failed", self.rank)
@@ -293,7 +295,7 @@ class Runtime:
         return True
 
     def _join_entry(self) -> Optional[Entry]:
-        return self.queue.get("join")
+        return self.queue.get(JOIN_NAME)
 
     def _demote(self, slot: int) -> None:
         entry = self._waiting.pop(slot, None)
