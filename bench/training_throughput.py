@@ -222,12 +222,13 @@ def orchestrate(args) -> None:
     ]
     targets = [
         Target("images/sec, horolite / MultiWorkerMirroredStrategy", ratio, 1.3, "x", True,
-               "the background thread's idle cycling (a control allreduce every 1 ms, 10-17 ms of "
-               "CPU per 30 ms step) takes the core TensorFlow's one thread needs; and the load of "
-               "other processes (see docs/benchmarks.md)"),
+               "per-step Python on the core TensorFlow's one thread needs: the background "
+               "thread's cycles and the copies in and out of tf.numpy_function for every "
+               "gradient (MWMS does its exchange in C++); run-to-run noise of +-20% here"),
         Target(f"scaling efficiency ({n} ranks vs {n} x one process, 1 thread each)", efficiency,
-               0.9, "", True, "CPU: the background thread's cycling (10-17 ms of CPU per 30 ms "
-               "step) shares the core of TensorFlow's one thread; other processes used "
+               0.9, "", True, "CPU: the background thread's work shares the core of "
+               "TensorFlow's one thread (the one-process baseline has that core to itself); "
+               "other processes used "
                f"{100 * common.other_busy_so_far():.0f}% of the cores during the run"),
     ]
 

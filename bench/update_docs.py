@@ -1,0 +1,76 @@
+"""Rewrite the measured part of docs/benchmarks.md from bench/results/*.json.
+
+The targets table and the "Latest results" tables come from the JSON and
+Markdown each benchmark writes; the prose before "## Targets" and from
+"## Where the time goes" on is kept as written.
+
+    python bench/update_docs.py
+"""
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+DOC = os.path.join(ROOT, "docs", "benchmarks.md")
+START, END = "## Targets (issue 5), as measured", "## Where the time goes"
+RUNS = [("Allreduce bandwidth", "allreduce_bandwidth"), ("Small tensors", "small_tensors"),
+        ("Training throughput", "training_throughput"),
+        ("Steady-state memory", "steady_state_memory"), ("Autotune recovery", "autotune_recovery")]
+
+
+def load(name):
+    with open(os.path.join(RESULTS, f"{name}.json")) as f:
+        return json.load(f)
+
+
+def results_table(name):
+    """The script's own Markdown, without its command line and targets table."""
+    with open(os.path.join(RESULTS, f"{name}.md")) as f:
+        lines = [line.rstrip("\n") for line in f if not line.startswith("`")]
+    if any(line.startswith("| target |") for line in lines):
+        lines = lines[:next(i for i, line in enumerate(lines) if line.startswith("| target |"))]
+    return "\n".join(lines).strip() + "\n"
+
+
+def target_rows():
+    rows = ["| target | measured | bound | met | what limits it | run |", "|---|---|---|---|---|---|"]
+    for _, name in RUNS:
+        for t in load(name)["targets"]:
+            value = "n/a" if t["value"] is None else f"{t['value']:.3g} {t['unit']}".strip()
+            bound = f"{t['comparison']} {t['bound']:g} {t['unit']}".strip()
+            met = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
+            rows.append(f"| {t['name']} | {value} | {bound} | {met} | {t['limited_by']} | `{name}` |")
+    return "\n".join(rows)
+
+
+def section(title, name):
+    d = load(name)
+    text = (f"### {title}\n\n`{d['command']}` — {d['date']}, commit {d['git_commit']}; other "
+            f"processes kept {round(100 * d['other_processes_busy_fraction'])}% of the cores busy.\n\n"
+            f"{results_table(name)}\n")
+    if d.get("plot"):
+        text += f"![{name}](../bench/results/{name}.png)\n"
+    return text
+
+
+def main():
+    with open(DOC) as f:
+        doc = f.read()
+    head, tail = doc[:doc.index(START)], doc[doc.index(END):]
+    with open(os.path.join(RESULTS, "autotune_notes.md")) as f:
+        autotune_notes = f.read()
+    body = "\n".join([
+        START, "",
+        "2 ranks on this 2-core machine, medians of the same run. Every target is listed, met or "
+        "not; each run names its commit below.", "",
+        target_rows(), "",
+        "## Latest results", "",
+        *[section(title, name) for title, name in RUNS],
+        autotune_notes,
+    ])
+    with open(DOC, "w") as f:
+        f.write(head + body + "\n" + tail)
+
+
+if __name__ == "__main__":
+    main()
