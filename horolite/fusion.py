@@ -15,7 +15,12 @@ __all__ = ["plan_batches", "FusionBuffer"]
 
 
 def _fusion_key(resp: Response):
-    return (resp.dtype, resp.op, resp.prescale, resp.postscale, resp.device, resp.joined)
+    # Cached on the response: cached responses come back every step.
+    key = resp.__dict__.get("_fusion_key")
+    if key is None:
+        key = resp.__dict__["_fusion_key"] = (resp.dtype, resp.op, resp.prescale, resp.postscale,
+                                              resp.device, resp.joined)
+    return key
 
 
 def plan_batches(responses: Sequence[Response], nbytes: Callable[[Response], int],

@@ -35,6 +35,7 @@ __all__ = ["Runtime", "Topology"]
 
 _log = logging.getLogger("horolite")
 
+_ALL_ONES = (1 << 64) - 1
 # Words before the cache bits in the control vector.
 _HEADER = 3
 # Flag bits in word 0 of the control vector.
@@ -220,13 +221,16 @@ class Runtime:
             vec[1] = self._setting[0]
             vec[2] = int(round(self._setting[1] * 1000))
         if self._words:
-            ready = vec[_HEADER:_HEADER + self._words]
-            ready[:] = np.uint64(0xFFFFFFFFFFFFFFFF)
+            # Bits are set in Python ints, then stored once: numpy scalar ops per slot cost more.
+            ready = [_ALL_ONES] * self._words
             for slot in self._waiting:
-                ready[slot >> 6] &= ~np.uint64(1 << (slot & 63))
-            invalid = vec[_HEADER + self._words:]
-            for slot in self._invalid:
-                invalid[slot >> 6] |= np.uint64(1 << (slot & 63))
+                ready[slot >> 6] &= ~(1 << (slot & 63))
+            vec[_HEADER:_HEADER + self._words] = ready
+            if self._invalid:
+                invalid = [0] * self._words
+                for slot in self._invalid:
+                    invalid[slot >> 6] |= 1 << (slot & 63)
+                vec[_HEADER + self._words:] = invalid
         self._invalid.clear()
         self.transport.control_or(vec, self._reduced)
         out = self._reduced

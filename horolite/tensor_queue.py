@@ -53,7 +53,8 @@ class TensorQueue:
                     "rank; wait for it (synchronize) or use another name")
             self._inflight[name] = entry
             self._new.append(entry)
-        self.wake.set()
+        if not self.wake.is_set():  # Event.set takes a lock and notifies: skip when already set
+            self.wake.set()
         return entry.handle
 
     def has_inflight(self) -> bool:
