@@ -56,6 +56,8 @@ def _as_array(array, name: str, kind: Kind) -> np.ndarray:
 
 
 def _reduce_op(op, name: str) -> ReduceOp:
+    if op.__class__ is ReduceOp and op != ReduceOp.ADASUM:  # the common case, without Enum's lookup
+        return op
     try:
         op = ReduceOp(op)
     except ValueError:
@@ -69,13 +71,13 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
             **fields) -> Handle:
     rt = runtime()
     ready = None
-    if array is not None:
-        fields.setdefault("dtype", dtype_name(array.dtype))
-        fields.setdefault("shape", tuple(array.shape))
-        if not isinstance(array, np.ndarray):  # a CuPy array from _as_array: GPU path
-            fields.setdefault("device", _device.CUDA)
+    if array is None:
+        request = Request(name, kind, "", (), **fields)
+    else:
+        if array.__class__ is not np.ndarray and not isinstance(array, np.ndarray):
+            fields.setdefault("device", _device.CUDA)  # a CuPy array from _as_array: GPU path
             ready = _device.record_ready(array)
-    request = Request(name=name, kind=kind, **{"dtype": "", "shape": (), **fields})
+        request = Request(name, kind, dtype_name(array.dtype), array.shape, **fields)
     entry = Entry(request=request, array=array, handle=Handle(name, transform), splits=splits,
                   ready=ready)
     return rt.submit(entry)
