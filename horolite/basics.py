@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Optional, Sequence, Union
 
 from . import config as config_mod
 from . import log

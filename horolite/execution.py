@@ -10,7 +10,7 @@ import math
 import sys
 import time
 from functools import lru_cache
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 

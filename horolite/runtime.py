@@ -12,18 +12,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from typing import Dict, List, Optional
 
-import numpy as np
 from mpi4py import MPI
 
 from . import config as config_mod
 from .autotune import Autotuner, parse_start
+from .control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
 from .errors import HorovodInternalError, ShutdownError, StallError
 from .execution import Executor
 from .messages import JOIN_NAME, Kind, Response
-from .negotiation import Coordinator, format_ranks
+from .negotiation import Coordinator
 from .response_cache import HIT, INVALID, ResponseCache
 from .stall import StallInspector
 from .tensor_queue import Entry, TensorQueue
@@ -35,14 +34,6 @@ __all__ = ["Runtime", "Topology"]
 
 _log = logging.getLogger("horolite")
 
-_ALL_ONES = (1 << 64) - 1
-# Words before the cache bits in the control vector.
-_HEADER = 3
-# Flag bits in word 0 of the control vector.
-HAS_UNSENT = 1
-SHUTDOWN = 2
-JOINED = 4
-COORDINATOR = 8
 
 # A tensor waiting on cache bits this long falls back to full negotiation, so
 # rank 0 can see it (and report it if it stalls).
@@ -97,12 +88,7 @@ class Runtime:
         self.coordinator = Coordinator(self.size) if self.rank == 0 else None
         self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds)
                       if self.rank == 0 and not cfg.stall_check_disable else None)
-        words = (cfg.cache_capacity + 63) // 64
-        self._words = words
-        # [flags, fusion threshold, cycle time in us, ready slots..., invalid slots...]:
-        # only rank 0 writes the two settings, so the OR hands every rank rank 0's values.
-        self._vector = np.zeros(_HEADER + 2 * words, dtype=np.uint64)
-        self._reduced = np.zeros_like(self._vector)
+        self._control = ControlVector(cfg.cache_capacity)
         self._unsent: List[Entry] = []
         self._waiting: Dict[int, Entry] = {}  # cache slot -> entry waiting for all ranks
         self._invalid: set = set()
@@ -214,29 +200,14 @@ class Runtime:
             if stall_message:
                 flags |= COORDINATOR
 
-        vec = self._vector
-        vec[:] = 0
-        vec[0] = flags
-        if self.rank == 0:
-            vec[1] = self._setting[0]
-            vec[2] = int(round(self._setting[1] * 1000))
-        if self._words:
-            # Bits are set in Python ints, then stored once: numpy scalar ops per slot cost more.
-            ready = [_ALL_ONES] * self._words
-            for slot in self._waiting:
-                ready[slot >> 6] &= ~(1 << (slot & 63))
-            vec[_HEADER:_HEADER + self._words] = ready
-            if self._invalid:
-                invalid = [0] * self._words
-                for slot in self._invalid:
-                    invalid[slot >> 6] |= 1 << (slot & 63)
-                vec[_HEADER + self._words:] = invalid
+        control = self._control
+        vec = control.encode(flags, self._setting if self.rank == 0 else None,
+                             self._waiting, self._invalid)
         self._invalid.clear()
-        self.transport.control_or(vec, self._reduced)
-        out = self._reduced
-        global_flags = int(out[0])
-        self.executor.set_fusion_threshold(int(out[1]))
-        self._cycle_seconds = int(out[2]) / 1e6
+        self.transport.control_or(vec, control.received)
+        global_flags, fusion_threshold, self._cycle_seconds, ready_slots, invalid_slots = \
+            control.decode()
+        self.executor.set_fusion_threshold(fusion_threshold)
 
         if global_flags & SHUTDOWN:
             self._fail_pending(ShutdownError("horolite was shut down (shutdown() was called on a "
@@ -245,25 +216,21 @@ class Runtime:
 
         responses: List[Response] = []
         entries: List[Optional[Entry]] = []
-        invalid_slots: List[int] = []
-        if self._words:
-            invalid_slots = _bits(out[_HEADER + self._words:])
-            for slot in invalid_slots:
-                entry = self._waiting.pop(slot, None)
-                if entry is not None:
-                    self._unsent.append(entry)
-                self.cache.erase(slot)
-            ready_slots = _bits(~out[_HEADER:_HEADER + self._words])
-            for slot in ready_slots:
-                if slot in invalid_slots:
-                    continue
-                cached = self.cache.response(slot)
-                entry = self._waiting.pop(slot)
-                entry.responded = now
-                self.timeline.span(cached.name, "NEGOTIATE", entry.submitted, now, {"cached": True})
-                self.cache.touch(slot)
-                responses.append(cached)
-                entries.append(entry)
+        for slot in invalid_slots:
+            entry = self._waiting.pop(slot, None)
+            if entry is not None:
+                self._unsent.append(entry)
+            self.cache.erase(slot)
+        for slot in ready_slots:
+            if slot in invalid_slots:
+                continue
+            cached = self.cache.response(slot)
+            entry = self._waiting.pop(slot)
+            entry.responded = now
+            self.timeline.span(cached.name, "NEGOTIATE", entry.submitted, now, {"cached": True})
+            self.cache.touch(slot)
+            responses.append(cached)
+            entries.append(entry)
 
         if global_flags & JOINED:
             # A joined rank sets no cache bits: everything goes through rank 0 until all join.
@@ -319,13 +286,3 @@ class Runtime:
             payload = (self.coordinator.responses(), stall_message)
         return self.transport.bcast_object(payload)
 
-
-def _bits(words: np.ndarray) -> List[int]:
-    """Indices of the set bits of a uint64 array, ascending."""
-    out = []
-    for w, word in enumerate(words.tolist()):
-        while word:
-            low = word & -word
-            out.append(w * 64 + low.bit_length() - 1)
-            word ^= low
-    return out

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Optional
 
 from .negotiation import Coordinator, format_ranks

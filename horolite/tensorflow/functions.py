@@ -1,7 +1,6 @@
 """Broadcasting variables and Python objects, gathering objects."""
 from __future__ import annotations
 
-import io
 import pickle
 from typing import Any, List, Optional
 
@@ -11,7 +10,7 @@ import tensorflow as tf
 import horolite as _core
 from horolite.errors import HorovodInternalError
 
-from .mpi_ops import broadcast, graph_unique_name, to_tf_error, wait, _enqueue
+from .mpi_ops import graph_unique_name, to_tf_error, wait, _enqueue
 
 __all__ = ["broadcast_variables", "broadcast_object", "allgather_object",
            "broadcast_global_variables", "variable_name"]

@@ -33,7 +33,7 @@ import tensorflow as tf
 
 import horolite as _core
 from horolite.errors import HorovodInternalError, NotInitializedError, ShutdownError
-from horolite.ops import Average, ReduceOp, Sum
+from horolite.ops import Average, ReduceOp
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall",
            "reducescatter", "join", "barrier", "size_op", "rank_op",

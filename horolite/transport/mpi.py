@@ -7,7 +7,6 @@ that case waits poll and yield instead of blocking.
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from typing import List, Sequence
 
