@@ -52,20 +52,25 @@ class OutputPool:
     """
     MIN_BYTES = 1 << 20
     PER_KEY = 2
+    # What the pool may hold in all: beyond it, results are plain new arrays.
+    MAX_BYTES = 512 << 20
 
     def __init__(self):
         self._arrays = {}
+        self._held = 0
 
     def empty(self, shape, dtype) -> np.ndarray:
-        if math.prod(shape) * dtype.itemsize < self.MIN_BYTES:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.MIN_BYTES:
             return np.empty(shape, dtype=dtype)
         kept = self._arrays.setdefault((shape, dtype), [])
         for a in kept:
             if sys.getrefcount(a) <= 3:  # the list, `a`, and getrefcount's argument
                 return a
         a = np.empty(shape, dtype=dtype)
-        if len(kept) < self.PER_KEY:
+        if len(kept) < self.PER_KEY and self._held + nbytes <= self.MAX_BYTES:
             kept.append(a)
+            self._held += nbytes
         return a
 
 

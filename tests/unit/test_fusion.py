@@ -46,3 +46,25 @@ def test_fusion_buffer_is_reused():
     first = fb.get(100)
     assert fb.get(500).base is first.base
     assert fb.get(4096).nbytes == 4096  # grows for a batch larger than the threshold
+
+
+def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
+    from horolite.execution import OutputPool
+    pool = OutputPool()
+    f32 = np.dtype(np.float32)
+    a = pool.empty((1 << 18,), f32)  # 1 MiB: pooled
+    b = pool.empty((1 << 18,), f32)
+    assert a is not b and pool._held == 2 << 20
+    view = a[:4]
+    a_id = id(a)
+    del a
+    c = pool.empty((1 << 18,), f32)  # a lives on through the view, b is held: a new array
+    assert id(c) != a_id and c is not b and c is not view.base
+    b_id = id(b)
+    del b, c
+    assert id(pool.empty((1 << 18,), f32)) == b_id  # dropped: handed out again
+    assert pool.empty((10,), f32).nbytes == 40 and pool._held == 2 << 20  # small: not pooled
+    pool.MAX_BYTES = 2 << 20
+    for _ in range(3):
+        pool.empty((1 << 19,), f32)  # 2 MiB each, over the cap: never kept
+    assert pool._held == 2 << 20
