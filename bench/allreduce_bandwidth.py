@@ -16,8 +16,6 @@ machine load within seconds of each other.
 """
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -63,7 +61,7 @@ def main(argv=None) -> None:
         args.min_iters, args.max_iters = 3, 10
 
     comm = MPI.COMM_WORLD
-    n, rank = comm.Get_size(), comm.Get_rank()
+    n = comm.Get_size()
     common.wait_until_quiet(comm, args.quiet_below, args.quiet_timeout)
     dist = None if args.no_gloo else setup_gloo(comm)
 

@@ -24,7 +24,6 @@ from horolite import basics  # noqa: E402
 
 def run_steps(tensors, seconds: float, comm) -> float:
     """Bytes reduced per second over about `seconds` of back-to-back steps."""
-    from mpi4py import MPI
     done, start = 0, time.perf_counter()
     while True:
         handles = [hvd.allreduce_async(t, name=f"grad.{i}") for i, t in enumerate(tensors)]

@@ -11,7 +11,6 @@ target is growth below 5 MB on every rank.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 from mpi4py import MPI

@@ -1,5 +1,4 @@
 """horolite-run's command line: flags -> LaunchConfig -> the mpirun argv for each MPI."""
-import argparse
 import os
 import sys
 
