@@ -30,6 +30,7 @@ VARIABLES = {
     "TIMELINE_MARK_CYCLES": ("0", "1 marks every background cycle in the timeline."),
     "LOG_LEVEL": ("WARNING", "Logging level: TRACE, DEBUG, INFO, WARNING, ERROR, FATAL."),
     "WAIT_MODE": ("poll", "How the background thread waits on MPI: poll (spin briefly, then sleep) or block."),
+    "SHARED_MEMORY": ("1", "1 reduces through memory shared by the ranks when all are on one host; 0 always uses the ring over MPI."),
     "AUTOTUNE": ("0", "1 tunes fusion threshold and cycle time online."),
     "AUTOTUNE_LOG": ("", "CSV file where autotune writes its samples."),
     "AUTOTUNE_START": ("", "Where autotune starts, e.g. cycle_time_ms=50 (not held fixed)."),
@@ -77,6 +78,7 @@ class Config:
     timeline_mark_cycles: bool = False
     log_level: str = "WARNING"
     wait_mode: str = "poll"
+    shared_memory: bool = True
     autotune: bool = False
     autotune_log: str = ""
     autotune_start: str = ""
@@ -95,6 +97,7 @@ _FIELDS = {
     "TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", bool),
     "LOG_LEVEL": ("log_level", str),
     "WAIT_MODE": ("wait_mode", str),
+    "SHARED_MEMORY": ("shared_memory", bool),
     "AUTOTUNE": ("autotune", bool),
     "AUTOTUNE_LOG": ("autotune_log", str),
     "AUTOTUNE_START": ("autotune_start", str),

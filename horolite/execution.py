@@ -178,14 +178,14 @@ class Executor:
         if len(batch) == 1 and first.prescale == 1.0:
             # No copy into the output first: the ring reads the input and writes the output.
             self.transport.allreduce_from(inputs[0].reshape(-1), outputs[0].reshape(-1), op,
-                                          postscale)
+                                          postscale, first.name)
             self._span(names, "ALLREDUCE", start, time.monotonic())
         elif len(batch) == 1:
             flat = outputs[0].reshape(-1)
             kernels.pack(flat.view(np.uint8), inputs, first.prescale)
             t1 = time.monotonic()
             self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
-            self.transport.allreduce(flat, op, postscale)
+            self.transport.allreduce(flat, op, postscale, first.name)
             self._span(names, "ALLREDUCE", t1, time.monotonic())
         else:
             total = sum(a.nbytes for a in inputs)
@@ -193,7 +193,8 @@ class Executor:
             kernels.pack(buf, inputs, first.prescale)
             t1 = time.monotonic()
             self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
-            self.transport.allreduce(buf.view(inputs[0].dtype), op, postscale)
+            self.transport.allreduce(buf.view(inputs[0].dtype), op, postscale,
+                                     f"{first.name}' and {len(batch) - 1} more fused with it '")
             t2 = time.monotonic()
             self._span(names, "ALLREDUCE", t1, t2)
             kernels.unpack(buf, outputs)

@@ -24,7 +24,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "horolite with `pip install .` (or `pip install -e .`), or in a source "
         "checkout build it in place with `python native/build_native.py`") from exc
 
-__all__ = ["reduce_into", "scale_into", "pack", "unpack"]
+__all__ = ["reduce_into", "scale_into", "pack", "unpack", "native_codes", "check"]
 
 # AVERAGE reduces like SUM: the caller folds 1/n into postscale.
 _OP_CODES = {ReduceOp.SUM: 1, ReduceOp.AVERAGE: 1, ReduceOp.MIN: 3,
@@ -72,9 +72,26 @@ def _buf(array: np.ndarray, what: str, writable: bool = False):
         raise ValueError(f"{what}: {exc}") from None
 
 
-def _check(rc: int) -> None:
+def check(rc: int) -> None:
+    """Raise for a native kernel's negative return code."""
     if rc:
         raise ValueError(f"native kernel failed: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+_check = check
+
+
+def _op_code(op: ReduceOp) -> int:
+    opc = _OP_CODES.get(op)
+    if opc is None:
+        raise ValueError(f"unsupported reduce op {op!r}: the kernels do "
+                         "SUM, AVERAGE, MIN, MAX and PRODUCT")
+    return opc
+
+
+def native_codes(dtype: np.dtype, op: ReduceOp):
+    """(dtype code, op code) for native code that reduces (native/shm_ring.c)."""
+    return _code(dtype), _op_code(op)
 
 
 def _same_kind(what: str, out_name: str, out: np.ndarray, src: np.ndarray):
@@ -90,10 +107,7 @@ def _same_kind(what: str, out_name: str, out: np.ndarray, src: np.ndarray):
 def reduce_into(acc: np.ndarray, src: np.ndarray, op: ReduceOp, postscale: float = 1.0) -> None:
     """acc = (acc op src) * postscale, in one pass (AVERAGE reduces like SUM)."""
     code, count = _same_kind("reduce_into", "acc", acc, src)
-    opc = _OP_CODES.get(op)
-    if opc is None:
-        raise ValueError(f"unsupported reduce op {op!r}: the kernels do "
-                         "SUM, AVERAGE, MIN, MAX and PRODUCT")
+    opc = _op_code(op)
     _check(_lib.hl_reduce(_buf(acc, "acc", True), _buf(src, "src"), count, code, opc,
                           postscale))
 

@@ -28,6 +28,7 @@ from .stall import StallInspector
 from .tensor_queue import Entry, TensorQueue
 from .timeline import open_timeline
 from .transport.mpi import MPITransport, oversubscribed
+from .transport.shared_memory import open_shared_memory
 from .transport.nccl import create_nccl_transport
 
 __all__ = ["Runtime", "Topology"]
@@ -74,7 +75,9 @@ class Runtime:
         if cfg.wait_mode == "block" and polite:
             _log.warning("HOROLITE_WAIT_MODE=block ignored: %d ranks share this host's cores",
                          self.topology.local_size)
-        self.transport = MPITransport(comm, polite=polite)
+        shared = open_shared_memory(comm, polite, cfg.stall_check_time_seconds,
+                                    enabled=cfg.shared_memory)
+        self.transport = MPITransport(comm, polite=polite, shared_memory=shared)
         self.queue = TensorQueue()
         self.cache = ResponseCache(cfg.cache_capacity)
         self.timeline = open_timeline(cfg.timeline, self.rank)
@@ -104,6 +107,9 @@ class Runtime:
         _log.info("horolite runtime up: rank %d of %d on %s (local %d/%d)%s", self.rank,
                   self.size, self.topology.hostname, self.topology.local_rank,
                   self.topology.local_size, ", polling MPI" if polite else ", blocking in MPI")
+        _log.info("rank %d: allreduce %s", self.rank,
+                  "through shared memory (every rank on this host)" if shared is not None
+                  else "over the ring of MPI messages")
         self._thread = threading.Thread(target=self._loop, name=f"horolite-background-{self.rank}",
                                         daemon=True)
         self._thread.start()
@@ -133,6 +139,8 @@ class Runtime:
             while True:
                 start = time.monotonic()
                 if not self._cycle():
+                    # Every rank stops at the same agreed cycle, so collective cleanup is safe.
+                    self.transport.close()
                     break
                 if self.queue.has_inflight():
                     # Work is waiting on other ranks: space the cycles out, but start

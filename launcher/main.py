@@ -139,6 +139,9 @@ def get_args_parser(environ: Optional[Mapping[str, str]] = None) -> argparse.Arg
                    help="where autotune starts, e.g. cycle_time_ms=50 (HOROLITE_AUTOTUNE_START)")
     g.add_argument("--wait-mode", choices=("poll", "block"),
                    help="how the background thread waits on MPI (HOROLITE_WAIT_MODE)")
+    g.add_argument("--no-shared-memory", action="store_true",
+                   help="reduce over MPI's ring even when all ranks share a host "
+                        "(HOROLITE_SHARED_MEMORY=0)")
 
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
     return p
@@ -179,6 +182,8 @@ def tunable_env(args: argparse.Namespace) -> Tuple[Tuple[str, str], ...]:
         env.append(("HOROLITE_AUTOTUNE_START", args.autotune_start))
     if args.wait_mode:
         env.append(("HOROLITE_WAIT_MODE", args.wait_mode))
+    if args.no_shared_memory:
+        env.append(("HOROLITE_SHARED_MEMORY", "0"))
     return tuple(env)
 
 

@@ -25,6 +25,12 @@ int hl_unpack(void *const *dsts, const void *src, const size_t *nbytes, size_t n
 int hl_isa_get(void);
 int hl_isa_set(int level);
 const char *hl_isa_name(int level);
+int hl_shm_allreduce(int64_t *const *headers, char *const *slots, int n, int r,
+                     size_t slot_bytes, int nslots, const void *src, void *dst,
+                     size_t count, int dtype, size_t itemsize, int op, double postscale,
+                     int64_t epoch, int64_t *resume, double timeout_s, int polite,
+                     int64_t *blocks);
+int64_t hl_shm_min_counter(int64_t *const *headers, int n, int word);
 """
 
 
@@ -50,10 +56,10 @@ def make_builder(relative):
     builder.cdef(CDEF)
     builder.set_source(
         "horolite._native",
-        '#include "kernels.h"',
-        sources=[path("kernels.c")],
+        '#include "kernels.h"\n#include "shm_ring.h"',
+        sources=[path("kernels.c"), path("shm_ring.c")],
         include_dirs=[path()],
-        depends=[path("kernels.h"), path("kernels_impl.h")],
+        depends=[path("kernels.h"), path("kernels_impl.h"), path("shm_ring.h")],
         extra_compile_args=_CFLAGS,
     )
     return builder

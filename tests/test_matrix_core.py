@@ -9,6 +9,9 @@ PARALLEL = os.path.join(ROOT, "tests", "parallel")
 
 VARIANTS = {
     "default": {},
+    # All ranks share this host, so by default allreduce goes through shared memory;
+    # across hosts it is the ring over MPI messages: run that path here too.
+    "mpi-ring": {"HOROLITE_SHARED_MEMORY": "0"},
     "nocache-nofusion": {"HOROLITE_CACHE_CAPACITY": "0", "HOROLITE_FUSION_THRESHOLD": "0"},
     # A tiny fusion buffer and cache: the big tensors exceed it, evictions happen.
     "smallfusion-smallcache": {"HOROLITE_FUSION_THRESHOLD": "65536", "HOROLITE_CACHE_CAPACITY": "7",
@@ -53,3 +56,8 @@ def test_interpreter_exit_without_shutdown_is_clean(np_, tmp_path):
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(os.listdir(tmp_path)) == sorted(f"left.{r}" for r in range(np_))
+
+
+@pytest.mark.parametrize("np_", RANK_COUNTS)
+def test_shared_memory(np_):
+    run_pytest_file(os.path.join(PARALLEL, "test_shared_memory.py"), np_)

@@ -97,8 +97,11 @@ class MPITransport:
 
     device = "cpu"
 
-    def __init__(self, comm: MPI.Comm, polite: bool):
+    def __init__(self, comm: MPI.Comm, polite: bool, shared_memory=None):
+        """shared_memory: a shared_memory.SharedMemoryAllreduce for allreduce when every
+        rank is on this host, else None (the ring over MPI)."""
         self.waiter = Waiter(polite)
+        self.shared_memory = shared_memory
         self.data_comm = comm.Dup()
         self.control_comm = comm.Dup()
         self.link = PointToPoint(self.data_comm, self.waiter)
@@ -118,11 +121,18 @@ class MPITransport:
         return self.control_comm.bcast(obj, root=root)
 
     # ---- data plane ----
-    def allreduce(self, buf: np.ndarray, op, postscale: float) -> None:
-        self.ring.allreduce(buf, op, postscale)
+    def allreduce(self, buf: np.ndarray, op, postscale: float, name: str = "") -> None:
+        if self.shared_memory is not None and buf.size:
+            self.shared_memory.allreduce(buf, buf, op, postscale, name)
+        else:
+            self.ring.allreduce(buf, op, postscale)
 
-    def allreduce_from(self, src: np.ndarray, dst: np.ndarray, op, postscale: float) -> None:
-        self.ring.allreduce_from(src, dst, op, postscale)
+    def allreduce_from(self, src: np.ndarray, dst: np.ndarray, op, postscale: float,
+                       name: str = "") -> None:
+        if self.shared_memory is not None and src.size:
+            self.shared_memory.allreduce(src, dst, op, postscale, name)
+        else:
+            self.ring.allreduce_from(src, dst, op, postscale)
 
     def reducescatter(self, buf: np.ndarray, bounds: List[int], op, postscale: float) -> None:
         self.ring.scatter_reduce(buf, bounds, op, postscale)
@@ -153,6 +163,10 @@ class MPITransport:
         return recv, recv_rows
 
     def close(self) -> None:
+        """Collective: only when every rank stops together."""
+        if self.shared_memory is not None:
+            self.shared_memory.close()
+            self.shared_memory = None
         for comm in (self.data_comm, self.control_comm):
             try:
                 comm.Free()

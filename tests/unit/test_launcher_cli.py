@@ -80,7 +80,7 @@ def test_tunable_names_are_the_runtimes():
                 "--no-stall-check", "--stall-check-warning-time-seconds", "1",
                 "--stall-check-shutdown-time-seconds", "1", "--log-level", "INFO", "--autotune",
                 "--autotune-log-file", "a", "--autotune-start", "cycle_time_ms=50",
-                "--wait-mode", "block", "true"])
+                "--wait-mode", "block", "--no-shared-memory", "true"])
     names = {name[len("HOROLITE_"):] for name, _ in c.env}
     assert names == set(runtime_config.VARIABLES)
 

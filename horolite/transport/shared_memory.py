@@ -1,0 +1,109 @@
+"""Allreduce through memory shared by the ranks of one host.
+
+Over MPI's point-to-point path every ring step moves its bytes through the
+MPI library's own shared-memory buffers: two copies per step, plus the
+reduction. When every rank of the job is on one host, the ranks can instead
+share a window (MPI_Win_allocate_shared) and each byte is copied once into it,
+reduced in place by the rank that owns it, and copied once out: the C loop in
+native/shm_ring.c, block by block so a block is still in cache between the
+three passes. Across hosts the ring over MPI is used as before.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import kernels
+from .._native import ffi as _ffi, lib as _lib
+
+__all__ = ["SharedMemoryAllreduce", "open_shared_memory"]
+
+_log = logging.getLogger("horolite.transport.shared_memory")
+
+# Per rank: a header page (three progress counters) and SLOTS slots of SLOT_BYTES.
+HEADER_BYTES = 4096
+SLOT_BYTES = 1 << 20
+SLOTS = 4
+_WORDS = {"staged": 0, "reduced": 8, "gathered": 16}
+
+
+class SharedMemoryAllreduce:
+    """dst = allreduce(src) for the ranks of `comm`, all on this host."""
+
+    def __init__(self, comm: MPI.Comm, polite: bool, report_after: float):
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.polite = 1 if polite else 0
+        self.report_after = report_after
+        self._win = MPI.Win.Allocate_shared(HEADER_BYTES + SLOTS * SLOT_BYTES, 1, comm=comm)
+        regions = []
+        for q in range(self.size):
+            buf, _ = self._win.Shared_query(q)
+            regions.append(np.frombuffer(buf, dtype=np.uint8,
+                                         count=HEADER_BYTES + SLOTS * SLOT_BYTES))
+        self._regions = regions  # keeps the buffers (and the pointers below) alive
+        self._counters = [r[:HEADER_BYTES].view(np.int64) for r in regions]
+        self._counters[self.rank][:] = 0
+        self._headers = _ffi.new("int64_t *[]", [_ffi.cast("int64_t *", _ffi.from_buffer(r))
+                                                 for r in regions])
+        self._slots = _ffi.new("char *[]", [_ffi.cast("char *", _ffi.from_buffer(r)) + HEADER_BYTES
+                                            for r in regions])
+        self._resume = _ffi.new("int64_t *")
+        self._blocks = _ffi.new("int64_t *")
+        self._epoch = 0  # blocks moved so far: the same on every rank
+        comm.Barrier()  # every rank's counters are zero before anyone reads them
+
+    def allreduce(self, src: np.ndarray, dst: np.ndarray, op, postscale: float,
+                  name: str = "") -> None:
+        """src and dst: 1-D, contiguous, same size and dtype; dst may be src."""
+        code, opc = kernels.native_codes(src.dtype, op)
+        self._resume[0] = 0
+        waited = 0.0
+        while True:
+            rc = _lib.hl_shm_allreduce(
+                self._headers, self._slots, self.size, self.rank, SLOT_BYTES, SLOTS,
+                _ffi.from_buffer(src), _ffi.from_buffer(dst, require_writable=True), src.size,
+                code, src.itemsize, opc, postscale, self._epoch, self._resume,
+                self.report_after, self.polite, self._blocks)
+            if rc == 0:
+                break
+            if rc < 0:
+                kernels.check(rc)
+            waited += self.report_after
+            _log.warning("rank %d: tensor '%s' has waited %.0f s in the shared-memory allreduce "
+                         "for ranks %s", self.rank, name, waited, self._behind())
+        self._epoch += self._blocks[0]
+
+    def _behind(self):
+        """Ranks whose progress is behind this rank's (the ones being waited for)."""
+        mine = self._counters[self.rank]
+        return [q for q in range(self.size)
+                if any(self._counters[q][w] < mine[w] for w in _WORDS.values())]
+
+    def close(self) -> None:
+        """Collective: only when every rank stops together."""
+        self._headers = self._slots = None
+        self._regions = self._counters = None
+        self._win.Free()
+
+
+def open_shared_memory(comm: MPI.Comm, polite: bool, report_after: float,
+                       enabled: bool = True) -> Optional[SharedMemoryAllreduce]:
+    """The shared-memory path when every rank of `comm` is on this host, else None.
+
+    Collective over `comm`: every rank gets the same answer.
+    """
+    if comm.Get_size() < 2 or not enabled:
+        return None
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        all_local = local.Get_size() == comm.Get_size()
+    finally:
+        local.Free()
+    # Every rank's view agrees (the host split is a partition), but make it explicit.
+    if not comm.allreduce(all_local, op=MPI.LAND):
+        return None
+    return SharedMemoryAllreduce(comm, polite, report_after)
