@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from functools import lru_cache
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -109,13 +110,16 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
     """
     base = name or _auto_name("grouped_allreduce")
     op = _reduce_op(op, base)
-    arrays = [_as_array(a, f"{base}.{i}", Kind.ALLREDUCE) for i, a in enumerate(arrays)]
-    if arrays and all(isinstance(a, np.ndarray) for a in arrays) and \
-            len({a.dtype for a in arrays}) == 1:
-        shapes = tuple(tuple(a.shape) for a in arrays)
-        packed = np.empty(sum(a.size for a in arrays), dtype=arrays[0].dtype)
-        kernels.pack(packed.view(np.uint8), arrays)
-        return _submit(Kind.ALLREDUCE, packed, base, transform=lambda flat: _split(flat, shapes),
+    arrays = list(arrays)
+    packed = _pack_host_group(arrays, base)
+    if packed is None:
+        arrays = [_as_array(a, f"{base}.{i}", Kind.ALLREDUCE) for i, a in enumerate(arrays)]
+        if arrays and all(isinstance(a, np.ndarray) for a in arrays) and \
+                len({a.dtype for a in arrays}) == 1:
+            packed = _pack_host_group(arrays, base)
+    if packed is not None:
+        flat, shapes = packed
+        return _submit(Kind.ALLREDUCE, flat, base, transform=lambda out: _split(out, shapes),
                        op=int(op), prescale=float(prescale_factor),
                        postscale=float(postscale_factor), group=shapes)
     children = [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor)
@@ -143,13 +147,46 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
     return group
 
 
-def _split(flat: np.ndarray, shapes) -> List[np.ndarray]:
+def _pack_host_group(arrays: list, base: str):
+    """(one flat array, the shapes) for NumPy arrays of one reducible dtype, else None.
+
+    The common case of a grouped step (hundreds of small gradients) takes one
+    pass here: per-array checks cost more than copying 4 KiB.
+    """
+    if not arrays:
+        return None
+    dtype = getattr(arrays[0], "dtype", None)
+    for a in arrays:
+        if a.__class__ is not np.ndarray or a.dtype != dtype:
+            return None
+    dname = dtype_name(dtype)
+    if dname not in REDUCIBLE_DTYPES:
+        raise InvalidCollectiveError(
+            f"tensor '{base}.0': dtype {dname} is not supported by "
+            f"{Kind.ALLREDUCE.label}; supported: {', '.join(REDUCIBLE_DTYPES)}")
+    flat = np.empty(sum(a.size for a in arrays), dtype=dtype)
+    try:
+        kernels.pack(flat.view(np.uint8), arrays)
+    except ValueError:  # a non-contiguous member: copy those first
+        arrays = [a if a.flags.c_contiguous else a.copy(order="C") for a in arrays]
+        kernels.pack(flat.view(np.uint8), arrays)
+    return flat, tuple([a.shape for a in arrays])
+
+
+@lru_cache(maxsize=256)
+def _spans(shapes) -> tuple:
+    """Where each member of a group sits in the flat result (a step repeats its shapes)."""
     out, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)
-        out.append(flat[offset:offset + n].reshape(shape))
+        out.append((slice(offset, offset + n), None if len(shape) == 1 else shape))
         offset += n
-    return out
+    return tuple(out)
+
+
+def _split(flat: np.ndarray, shapes) -> List[np.ndarray]:
+    return [flat[span] if shape is None else flat[span].reshape(shape)
+            for span, shape in _spans(shapes)]
 
 
 def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None,

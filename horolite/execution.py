@@ -42,7 +42,7 @@ def _nbytes(resp: Response) -> int:
 
 
 class OutputPool:
-    """Result arrays of >= 1 MiB, reused once the caller has dropped them.
+    """Result arrays of >= 64 KiB, reused once the caller has dropped them.
 
     A fresh np.empty of many MiB is a new mmap whose first touch faults and
     zeroes every page: at 64 MiB that costs more than the copy into it. The
@@ -50,7 +50,7 @@ class OutputPool:
     only when nothing but the pool refers to it (a view or a buffer export
     holds a reference, so an array still in use is never reused).
     """
-    MIN_BYTES = 1 << 20
+    MIN_BYTES = 64 << 10
     PER_KEY = 2
     # What the pool may hold in all: beyond it, results are plain new arrays.
     MAX_BYTES = 512 << 20

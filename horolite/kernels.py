@@ -118,20 +118,25 @@ def scale_into(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
     _check(_lib.hl_scale(_buf(dst, "dst", True), _buf(src, "src"), count, code, factor))
 
 
+def _pointers(arrays, what: str, writable: bool):
+    """cffi buffers of every array (kept alive by the list), checked only on failure:
+    a fused step packs hundreds of small arrays, so the common case stays lean."""
+    try:
+        return [_from_buffer(_CHARS, a, writable) for a in arrays]
+    except (ValueError, TypeError, BufferError):
+        for i, a in enumerate(arrays):
+            _buf(a, f"{what}: arrays[{i}]", writable)
+        raise
+
+
 def pack(buffer: np.ndarray, arrays, factor: float = 1.0) -> int:
     """Copy `arrays` back to back into the uint8 `buffer`, scaled by `factor`
     (all arrays then share one reducible dtype); returns the bytes used."""
-    n = len(arrays)
-    srcs = _new(_PTRS, n)
-    sizes = _new(_SIZES, n)
-    keep = [None] * n  # the cffi buffers must outlive the call
-    total = 0
-    for i, a in enumerate(arrays):
-        keep[i] = srcs[i] = _buf(a, f"pack: arrays[{i}]")
-        sizes[i] = nbytes = a.nbytes
-        total += nbytes
+    keep = _pointers(arrays, "pack", False)
+    sizes = [a.nbytes for a in arrays]
+    total = sum(sizes)
     code = 0  # ignored by the C side for a plain copy
-    if factor != 1.0 and n:
+    if factor != 1.0 and arrays:
         dtype = arrays[0].dtype
         code = _code(dtype)
         for i, a in enumerate(arrays):
@@ -140,21 +145,16 @@ def pack(buffer: np.ndarray, arrays, factor: float = 1.0) -> int:
                                 f"{dtype}, arrays[{i}] is {a.dtype}")
     if total > buffer.nbytes:
         raise ValueError(f"pack: arrays need {total} bytes, buffer has {buffer.nbytes}")
-    _check(_lib.hl_pack(_buf(buffer, "buffer", True), srcs, sizes, n, code, factor))
+    _check(_lib.hl_pack(_buf(buffer, "buffer", True), _new(_PTRS, keep), _new(_SIZES, sizes),
+                        len(keep), code, factor))
     return total
 
 
 def unpack(buffer: np.ndarray, arrays) -> None:
     """Copy consecutive bytes of the uint8 `buffer` into each array."""
-    n = len(arrays)
-    dsts = _new(_PTRS, n)
-    sizes = _new(_SIZES, n)
-    keep = [None] * n
-    total = 0
-    for i, a in enumerate(arrays):
-        keep[i] = dsts[i] = _buf(a, f"unpack: arrays[{i}]", True)
-        sizes[i] = nbytes = a.nbytes
-        total += nbytes
+    keep = _pointers(arrays, "unpack", True)
+    sizes = [a.nbytes for a in arrays]
+    total = sum(sizes)
     if total > buffer.nbytes:
         raise ValueError(f"unpack: arrays need {total} bytes, buffer has {buffer.nbytes}")
-    _check(_lib.hl_unpack(dsts, _buf(buffer, "buffer"), sizes, n))
+    _check(_lib.hl_unpack(_new(_PTRS, keep), _buf(buffer, "buffer"), _new(_SIZES, sizes), len(keep)))

@@ -237,7 +237,7 @@ def test_grouped_allreduce_mixed_dtypes_and_repeat():
 
 
 def test_large_results_are_never_reused_while_anything_holds_them():
-    # Results of >= 1 MiB come from a pool; one still referenced (even through a view) must
+    # Results of >= 64 KiB come from a pool; one still referenced (even through a view) must
     # never be handed out again.
     total = sum(range(1, SIZE + 1))
     x = np.full(300_000, RANK + 1.0, np.float32)
