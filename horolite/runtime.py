@@ -40,7 +40,7 @@ _log = logging.getLogger("horolite")
 # rank 0 can see it (and report it if it stalls).
 CACHE_DEMOTE_SECONDS = 1.0
 # Longest pause between cycles while this rank has nothing in flight.
-IDLE_MAX_SECONDS = 0.02
+IDLE_MAX_SECONDS = 0.1
 
 
 class Topology:

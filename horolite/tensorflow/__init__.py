@@ -106,7 +106,7 @@ def _is_ref_in(source, refs) -> bool:
 
 def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",
                             compression=Compression.none, sparse_as_dense: bool = False, op=Average,
-                            gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                            gradient_predivide_factor: float = 1.0, num_groups=None, groups=None,
                             process_set=None, backward_passes_per_step: int = 1,
                             average_aggregated_gradients: bool = False):
     """Wrap a tf.GradientTape so `gradient()` returns gradients reduced over all ranks.
@@ -136,7 +136,7 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
 
     def __init__(self, optimizer, name=None, use_locking=False, compression=Compression.none,
                  sparse_as_dense=False, backward_passes_per_step=1, op=Average,
-                 gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=0,
+                 gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=None,
                  groups=None):
         if name is None:
             name = f"Distributed{type(optimizer).__name__}"
@@ -201,7 +201,7 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
                          compression=Compression.none, sparse_as_dense: bool = False,
                          backward_passes_per_step: int = 1, op=Average,
                          gradient_predivide_factor: float = 1.0,
-                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         average_aggregated_gradients: bool = False, num_groups=None,
                          groups=None, process_set=None):
     """Horovod's DistributedOptimizer: a tf.compat.v1.train.Optimizer (legacy, graph or eager)
     or a Keras optimizer (then see horolite.tensorflow.keras.DistributedOptimizer)."""

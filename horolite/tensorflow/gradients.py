@@ -39,7 +39,7 @@ def check_arguments(op, gradient_predivide_factor: float, backward_passes_per_st
 
 class GradientReducer:
     def __init__(self, name: str, compression=Compression.none, sparse_as_dense: bool = False,
-                 op=ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 op=ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, num_groups=None,
                  groups=None):
         self.op = check_arguments(op, gradient_predivide_factor)
         self.name = name
@@ -53,9 +53,13 @@ class GradientReducer:
             self.prescale = self.postscale = 1.0
         if isinstance(groups, int):
             num_groups, groups = groups, None
-        if num_groups and num_groups < 0:
+        if num_groups is not None and num_groups < 0:
             raise ValueError(f"num_groups must be >= 0, got {num_groups}")
-        self.num_groups = int(num_groups or 0)
+        # None (the default): a step's dense gradients travel as one grouped request, so
+        # the background thread needs one cycle per step, not one per gradient; the
+        # results are the same. 0: one request per gradient (Horovod's default), which lets
+        # a gradient's exchange start while backprop is still computing the others.
+        self.num_groups = None if num_groups is None and groups is None else int(num_groups or 0)
         if groups is not None:
             groups = [[v.ref() for v in group] for group in groups]
             seen = [r for group in groups for r in group]
@@ -78,6 +82,8 @@ class GradientReducer:
                 else:
                     by_group.setdefault(k, []).append(i)
             return [by_group[k] for k in sorted(by_group)] + singles
+        if self.num_groups is None:
+            return [list(dense)] if dense else []
         if self.num_groups:
             n = min(self.num_groups, len(dense)) or 1
             size, extra = divmod(len(dense), n)

@@ -71,7 +71,8 @@ def test_tape_none_local_groups_and_predivide():
     with tf.GradientTape(persistent=True) as t:
         loss = loss_fn(w, b, x, y) + local * local
     ref_w = t.gradient(loss, w).numpy()
-    for kwargs in [{}, {"num_groups": 1}, {"groups": [[w, b]]}, {"gradient_predivide_factor": 2.0},
+    for kwargs in [{}, {"num_groups": 0}, {"num_groups": 1}, {"groups": [[w, b]]},
+                   {"gradient_predivide_factor": 2.0},
                    {"compression": hvd.Compression.fp16}]:
         tape = hvd.DistributedGradientTape(t, **kwargs)
         tape.register_local_source(local)
@@ -84,6 +85,30 @@ def test_tape_none_local_groups_and_predivide():
     # Nested sources keep their structure.
     grads = hvd.DistributedGradientTape(t).gradient(loss, {"w": w, "b": b})
     assert set(grads) == {"w", "b"}
+
+
+@pytest.mark.parametrize("kwargs, grouped, single", [({}, 1, 0), ({"num_groups": 0}, 0, 3)])
+def test_default_sends_a_steps_gradients_as_one_request(kwargs, grouped, single, monkeypatch):
+    # One grouped request per step keeps the background thread at one cycle per step;
+    # num_groups=0 is Horovod's one request per gradient.
+    import horolite
+    calls = {"grouped": 0, "single": 0}
+    real_grouped, real_single = horolite.grouped_allreduce_async, horolite.allreduce_async
+
+    def count(kind, real):
+        def wrapper(*args, **kw):
+            calls[kind] += 1
+            return real(*args, **kw)
+        return wrapper
+    monkeypatch.setattr(horolite, "grouped_allreduce_async", count("grouped", real_grouped))
+    monkeypatch.setattr(horolite, "allreduce_async", count("single", real_single))
+    w, b, c = tf.Variable(W0), tf.Variable(B0), tf.Variable(2.0)
+    x, y = tf.constant(X[LO:HI]), tf.constant(Y[LO:HI])
+    with tf.GradientTape() as t:
+        loss = loss_fn(w, b, x, y) * c
+    gw, gb, gc = hvd.DistributedGradientTape(t, **kwargs).gradient(loss, [w, b, c])
+    assert calls == {"grouped": grouped, "single": single}
+    np.testing.assert_allclose(gc.numpy(), np.mean(hvd.allgather_object(float(loss / c))), rtol=1e-5)
 
 
 def test_constructor_errors():

@@ -68,7 +68,7 @@ class _DistributedMixin:
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
                          compression=Compression.none, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
-                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         average_aggregated_gradients=False, num_groups=None, groups=None,
                          process_set=None):
     """Wrap a Keras 3 optimizer so the gradients it applies are reduced over all ranks.
 
