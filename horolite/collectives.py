@@ -56,6 +56,15 @@ def _as_array(array, name: str, kind: Kind) -> np.ndarray:
     return arr
 
 
+# Native-order dtypes allreduce takes, by dtype object (the fast path's only check).
+_REDUCIBLE_NAMES = {np.dtype(n): n for n in REDUCIBLE_DTYPES if n != "bfloat16"}
+try:
+    import ml_dtypes as _ml_dtypes
+    _REDUCIBLE_NAMES[np.dtype(_ml_dtypes.bfloat16)] = "bfloat16"
+except ImportError:  # bfloat16 arrays then take the general path
+    pass
+
+
 def _reduce_op(op, name: str) -> ReduceOp:
     if op.__class__ is ReduceOp and op != ReduceOp.ADASUM:  # the common case, without Enum's lookup
         return op
@@ -88,6 +97,13 @@ def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_fact
                     postscale_factor: float = 1.0) -> Handle:
     name = name or _auto_name("allreduce")
     op = _reduce_op(op, name)
+    if array.__class__ is np.ndarray and array.flags.c_contiguous:
+        # The common case (a step's many gradients), without the general checks' cost.
+        dname = _REDUCIBLE_NAMES.get(array.dtype)
+        if dname is not None:
+            request = Request(name, Kind.ALLREDUCE, dname, array.shape, int(op), -1,
+                              float(prescale_factor), float(postscale_factor))
+            return runtime().submit(Entry(request, array, Handle(name)))
     arr = _as_array(array, name, Kind.ALLREDUCE)
     return _submit(Kind.ALLREDUCE, arr, name, op=int(op), prescale=float(prescale_factor),
                    postscale=float(postscale_factor))

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import kernels
 from .errors import HorovodInternalError, InvalidCollectiveError, TensorMismatchError
-from .fusion import FusionBuffer, plan_batches
+from .fusion import plan_spans
 from .messages import Kind, Response
 from .ops import ReduceOp, dtype_from_name
 from .ring import row_bounds
@@ -74,6 +74,17 @@ class OutputPool:
         return a
 
 
+def _views(flat: np.ndarray, arrays) -> List[np.ndarray]:
+    """Consecutive pieces of `flat` shaped like `arrays`."""
+    out, offset = [], 0
+    for a in arrays:
+        n = a.size
+        piece = flat[offset:offset + n]
+        out.append(piece if a.ndim == 1 else piece.reshape(a.shape))
+        offset += n
+    return out
+
+
 def _error_for(resp: Response) -> HorovodInternalError:
     cls = TensorMismatchError if resp.error_type == "mismatch" else InvalidCollectiveError
     return cls(resp.error)
@@ -86,7 +97,6 @@ class Executor:
         self.rank = transport.rank
         self.size = transport.size
         self.fusion_threshold = fusion_threshold
-        self.fusion = FusionBuffer(fusion_threshold)
         self.outputs = OutputPool()
         self.timeline = timeline
         # GPU path: a device_execution.DeviceExecutor, set by the runtime when NCCL is up.
@@ -99,10 +109,9 @@ class Executor:
 
     def run(self, responses: Sequence[Response], entries: Sequence[Optional[Entry]]) -> int:
         """Execute the responses in order; returns the bytes allreduced (autotune's measure)."""
-        by_name = {resp.name: entry for resp, entry in zip(responses, entries)}
         reduced = 0
-        for batch in plan_batches(responses, _nbytes, self.fusion_threshold):
-            batch_entries = [by_name[r.name] for r in batch]
+        for lo, hi in plan_spans(responses, _nbytes, self.fusion_threshold):
+            batch, batch_entries = responses[lo:hi], entries[lo:hi]
             first = batch[0]
             try:
                 if first.error is not None:
@@ -171,34 +180,37 @@ class Executor:
         first = batch[0]
         op = ReduceOp(first.op)
         postscale = first.total_postscale(self.size)
-        names = [r.name for r in batch]
+        names = [r.name for r in batch] if self.timeline.enabled else []
         inputs = [self._input(r, e) for r, e in zip(batch, entries)]
-        outputs = [self.outputs.empty(a.shape, a.dtype) for a in inputs]
         start = self._queue_spans(batch, entries)
-        if len(batch) == 1 and first.prescale == 1.0:
+        if len(batch) > 1:
+            # One result array for the batch, reduced in place; each tensor's result is a
+            # view of it (from the pool: reused once every view is gone).
+            flat = self.outputs.empty((sum(a.size for a in inputs),), inputs[0].dtype)
+            kernels.pack(flat.view(np.uint8), inputs, first.prescale)
+            t1 = time.monotonic()
+            self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
+            self.transport.allreduce(flat, op, postscale,
+                                     f"{first.name}' and {len(batch) - 1} more fused with it '")
+            self._span(names, "ALLREDUCE", t1, time.monotonic())
+            self.queue.finish_all([r.name for r, e in zip(batch, entries) if e is not None])
+            for entry, out in zip(entries, _views(flat, inputs)):
+                if entry is not None:
+                    entry.handle._set_result(out)
+            return
+        outputs = [self.outputs.empty(inputs[0].shape, inputs[0].dtype)]
+        if first.prescale == 1.0:
             # No copy into the output first: the ring reads the input and writes the output.
             self.transport.allreduce_from(inputs[0].reshape(-1), outputs[0].reshape(-1), op,
                                           postscale, first.name)
             self._span(names, "ALLREDUCE", start, time.monotonic())
-        elif len(batch) == 1:
+        else:
             flat = outputs[0].reshape(-1)
             kernels.pack(flat.view(np.uint8), inputs, first.prescale)
             t1 = time.monotonic()
             self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
             self.transport.allreduce(flat, op, postscale, first.name)
             self._span(names, "ALLREDUCE", t1, time.monotonic())
-        else:
-            total = sum(a.nbytes for a in inputs)
-            buf = self.fusion.get(total)
-            kernels.pack(buf, inputs, first.prescale)
-            t1 = time.monotonic()
-            self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
-            self.transport.allreduce(buf.view(inputs[0].dtype), op, postscale,
-                                     f"{first.name}' and {len(batch) - 1} more fused with it '")
-            t2 = time.monotonic()
-            self._span(names, "ALLREDUCE", t1, t2)
-            kernels.unpack(buf, outputs)
-            self._span(names, "MEMCPY_OUT_FUSION_BUFFER", t2, time.monotonic())
         for resp, entry, out in zip(batch, entries, outputs):
             self._complete(resp, entry, out)
 

@@ -5,13 +5,11 @@ sizes, so every rank fuses the same way without talking about it.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
-
-import numpy as np
+from typing import Callable, List, Sequence, Tuple
 
 from .messages import Kind, Response
 
-__all__ = ["plan_batches", "FusionBuffer"]
+__all__ = ["plan_batches", "plan_spans"]
 
 
 def _fusion_key(resp: Response):
@@ -23,42 +21,37 @@ def _fusion_key(resp: Response):
     return key
 
 
-def plan_batches(responses: Sequence[Response], nbytes: Callable[[Response], int],
-                 threshold: int) -> List[List[Response]]:
-    """Group consecutive fusable allreduces whose total stays within `threshold` bytes.
+def plan_spans(responses: Sequence[Response], nbytes: Callable[[Response], int],
+               threshold: int) -> List[Tuple[int, int]]:
+    """Batches as [start, stop) ranges of `responses`: consecutive fusable allreduces
+    whose total stays within `threshold` bytes share one.
 
     Everything else (errors, other collectives, tensors bigger than the
     threshold, or all tensors when threshold is 0) runs alone.
     """
-    batches: List[List[Response]] = []
-    current: List[Response] = []
-    current_bytes = 0
-    for resp in responses:
+    spans: List[Tuple[int, int]] = []
+    start, key, current_bytes = -1, None, 0  # the open batch, if start >= 0
+    for i, resp in enumerate(responses):
         size = nbytes(resp) if resp.kind == Kind.ALLREDUCE and resp.error is None else -1
         fusable = 0 <= size <= threshold and threshold > 0
-        if (current and fusable and _fusion_key(current[0]) == _fusion_key(resp)
-                and current_bytes + size <= threshold):
-            current.append(resp)
-            current_bytes += size
-            continue
-        if current:
-            batches.append(current)
-        current, current_bytes = ([resp], size) if fusable else ([], 0)
-        if not fusable:
-            batches.append([resp])
-    if current:
-        batches.append(current)
-    return batches
+        if fusable and start >= 0 and current_bytes + size <= threshold:
+            k = _fusion_key(resp)
+            if k == key:
+                current_bytes += size
+                continue
+        if start >= 0:
+            spans.append((start, i))
+        if fusable:
+            start, key, current_bytes = i, _fusion_key(resp), size
+        else:
+            start = -1
+            spans.append((i, i + 1))
+    if start >= 0:
+        spans.append((start, len(responses)))
+    return spans
 
 
-class FusionBuffer:
-    """One byte buffer, allocated at the first fused batch and reused after."""
-
-    def __init__(self, threshold: int):
-        self.threshold = threshold
-        self._buffer = None
-
-    def get(self, nbytes: int) -> np.ndarray:
-        if self._buffer is None or self._buffer.nbytes < nbytes:
-            self._buffer = np.empty(max(self.threshold, nbytes), dtype=np.uint8)
-        return self._buffer[:nbytes]
+def plan_batches(responses: Sequence[Response], nbytes: Callable[[Response], int],
+                 threshold: int) -> List[List[Response]]:
+    """plan_spans as lists of responses."""
+    return [list(responses[a:b]) for a, b in plan_spans(responses, nbytes, threshold)]

@@ -229,14 +229,18 @@ class Runtime:
             if entry is not None:
                 self._unsent.append(entry)
             self.cache.erase(slot)
+        # Per tensor, every step: kept lean (names bound once, timeline only when on).
+        cached_response, touch, waiting = self.cache.response, self.cache.touch, self._waiting
+        timeline = self.timeline if self.timeline.enabled else None
         for slot in ready_slots:
             if slot in invalid_slots:
                 continue
-            cached = self.cache.response(slot)
-            entry = self._waiting.pop(slot)
+            cached = cached_response(slot)
+            entry = waiting.pop(slot)
             entry.responded = now
-            self.timeline.span(cached.name, "NEGOTIATE", entry.submitted, now, {"cached": True})
-            self.cache.touch(slot)
+            if timeline is not None:
+                timeline.span(cached.name, "NEGOTIATE", entry.submitted, now, {"cached": True})
+            touch(slot)
             responses.append(cached)
             entries.append(entry)
 

@@ -74,6 +74,13 @@ class TensorQueue:
         with self._lock:
             return self._inflight.pop(name, None)
 
+    def finish_all(self, names) -> None:
+        """finish() for a fused batch, under one lock."""
+        with self._lock:
+            pop = self._inflight.pop
+            for name in names:
+                pop(name, None)
+
     def close(self, error: BaseException) -> List[Entry]:
         """Refuse new work with `error`; return the entries still pending."""
         with self._lock:

@@ -252,3 +252,21 @@ def test_large_results_are_never_reused_while_anything_holds_them():
     del results
     again = hvd.allreduce(x * 5, op=hvd.Sum, name="pool")  # may reuse a dropped one
     assert (again == 5 * total).all() and (view == total).all() and (kept == total).all()
+
+
+def test_fused_results_stay_valid_while_any_is_held():
+    # A fused batch's results are views of one pooled array: holding one result must keep
+    # that array from being reused by later steps.
+    total = sum(range(1, SIZE + 1))
+
+    def step(k):
+        handles = [hvd.allreduce_async(np.full(20_000, (RANK + 1.0) * k * (i + 1), np.float32),
+                                       op=hvd.Sum, name=f"fusedpool.{i}") for i in range(4)]
+        return [hvd.synchronize(h) for h in handles]
+
+    kept = step(1)[2]
+    later = [step(k) for k in (2, 3, 4)]
+    assert (kept == total * 3).all()
+    for k, results in zip((2, 3, 4), later):
+        for i, r in enumerate(results):
+            assert (r == total * k * (i + 1)).all(), (k, i)

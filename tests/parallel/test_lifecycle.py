@@ -50,7 +50,8 @@ def test_timeline_is_json_with_every_phase():
     rows = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
     assert {"tl.0", "tl.3", "tl.gather"} <= set(rows)
     phases = {e["name"] for e in events if e.get("ph") == "X" and e["tid"] == rows["tl.1"]}
-    assert {"NEGOTIATE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE", "MEMCPY_OUT_FUSION_BUFFER"} <= phases
+    # (no MEMCPY_OUT_FUSION_BUFFER on the host: a fused tensor's result is a view of the batch)
+    assert {"NEGOTIATE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE"} <= phases
     assert "ALLGATHER" in {e["name"] for e in events if e.get("tid") == rows["tl.gather"]}
 
 

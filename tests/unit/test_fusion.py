@@ -1,7 +1,7 @@
 """Fusion planning is a pure function of the response list and sizes."""
 import numpy as np
 
-from horolite.fusion import FusionBuffer, plan_batches
+from horolite.fusion import plan_batches
 from horolite.messages import Kind, Response
 
 
@@ -39,13 +39,6 @@ def test_different_dtype_op_scale_or_kind_break_batches():
           Response(kind=Kind.BROADCAST, name="e", dtype="float64", shape=(1,)),
           ar("f", 1, dtype="float64", op=3, prescale=2.0), ar("g", 1, error="x")]
     assert names(plan_batches(rs, size, 1 << 20)) == [["a"], ["b"], ["c"], ["d"], ["e"], ["f"], ["g"]]
-
-
-def test_fusion_buffer_is_reused():
-    fb = FusionBuffer(1024)
-    first = fb.get(100)
-    assert fb.get(500).base is first.base
-    assert fb.get(4096).nbytes == 4096  # grows for a batch larger than the threshold
 
 
 def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
