@@ -149,11 +149,15 @@ def main(argv=None) -> None:
 
 # What the profile shows limits each target when it is missed (docs/benchmarks.md has the detail).
 LIMITS = {
-    "vs_mpi": "the transport: MPICH moves every ring message through a shared-memory bounce "
-              "buffer (two copies; turning CMA single-copy on changed nothing here), so each "
-              "ring step costs about as much as MPI_Allreduce's own reduction steps",
-    "bound": "the same bounce-buffer copies: a Sendrecv of half the buffer costs about one "
-             "numpy.add of all of it, and a ring needs two plus a reduction",
+    "vs_mpi": "when run across hosts or with HOROLITE_SHARED_MEMORY=0: MPICH moves every ring "
+              "message through its own shared-memory bounce buffer (two copies), so each ring "
+              "step costs about as much as MPI_Allreduce's own reduction steps",
+    "bound": "memory traffic: with the caller's input and output in private memory, the "
+             "shared-memory path moves 4.5N bytes per rank (stage the half others reduce, "
+             "reduce its own half, copy the whole result out) against the bound's 3N (one "
+             "numpy.add in place), so 1.5x is its floor; the rest is cache lines crossing cores "
+             "between the three passes and the ranks waiting on each other block by block "
+             "(this VM also shows ~30% steal time)",
     "1mib": "the fixed cost of a background cycle (control allreduce, cache bits, two thread "
             "hand-offs) on top of the ring",
 }
