@@ -106,4 +106,14 @@ def open_shared_memory(comm: MPI.Comm, polite: bool, report_after: float,
     # Every rank's view agrees (the host split is a partition), but make it explicit.
     if not comm.allreduce(all_local, op=MPI.LAND):
         return None
-    return SharedMemoryAllreduce(comm, polite, report_after)
+    try:
+        shared = SharedMemoryAllreduce(comm, polite, report_after)
+        error = None
+    except MPI.Exception as exc:  # e.g. a container's small /dev/shm
+        shared, error = None, exc
+        comm.Barrier()  # the one the constructor ends with: keep the collectives in step
+    if not comm.allreduce(error is None, op=MPI.LAND):
+        _log.warning("rank %d: no shared-memory window (%s); allreduce uses the ring over MPI",
+                     comm.Get_rank(), error or "another rank could not allocate one")
+        return None  # a window some rank did allocate is left to process exit
+    return shared

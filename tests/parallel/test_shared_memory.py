@@ -137,6 +137,24 @@ def test_a_late_rank_is_reported_and_then_joins():
         assert "'grad/late'" in messages[0] and f"for ranks [{late}]" in messages[0], messages[0]
 
 
+@needs_ranks
+def test_no_window_falls_back_to_the_ring(monkeypatch):
+    # What a container with a tiny /dev/shm does to MPI_Win_allocate_shared, on every rank.
+    def refuse(self, *args):
+        raise MPI.Exception(MPI.ERR_NO_MEM)
+    monkeypatch.setattr(shm_mod.SharedMemoryAllreduce, "__init__", refuse)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("horolite.transport.shared_memory")
+    logger.addHandler(handler)
+    try:
+        assert shm_mod.open_shared_memory(COMM, polite=True, report_after=1.0) is None
+    finally:
+        logger.removeHandler(handler)
+    assert any("uses the ring over MPI" in r.getMessage() for r in records)
+
+
 def test_runtime_uses_it_when_all_ranks_share_the_host():
     import horolite as hvd
     from horolite import basics
