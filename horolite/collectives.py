@@ -65,6 +65,14 @@ except ImportError:  # bfloat16 arrays then take the general path
     pass
 
 
+def _check_scales(arr, name: str, prescale: float, postscale: float) -> None:
+    """Integers are scaled in double and converted back: inf or nan has no value to give."""
+    if arr.dtype.kind in "iu" and not (math.isfinite(prescale) and math.isfinite(postscale)):
+        raise InvalidCollectiveError(
+            f"tensor '{name}': an integer tensor ({dtype_name(arr.dtype)}) needs finite scale "
+            f"factors, got prescale_factor={prescale}, postscale_factor={postscale}")
+
+
 def _reduce_op(op, name: str) -> ReduceOp:
     if op.__class__ is ReduceOp and op != ReduceOp.ADASUM:  # the common case, without Enum's lookup
         return op
@@ -97,14 +105,16 @@ def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_fact
                     postscale_factor: float = 1.0) -> Handle:
     name = name or _auto_name("allreduce")
     op = _reduce_op(op, name)
-    if array.__class__ is np.ndarray and array.flags.c_contiguous:
+    pre, post = float(prescale_factor), float(postscale_factor)
+    if array.__class__ is np.ndarray and array.flags.c_contiguous and \
+            math.isfinite(pre) and math.isfinite(post):
         # The common case (a step's many gradients), without the general checks' cost.
         dname = _REDUCIBLE_NAMES.get(array.dtype)
         if dname is not None:
-            request = Request(name, Kind.ALLREDUCE, dname, array.shape, int(op), -1,
-                              float(prescale_factor), float(postscale_factor))
+            request = Request(name, Kind.ALLREDUCE, dname, array.shape, int(op), -1, pre, post)
             return runtime().submit(Entry(request, array, Handle(name)))
     arr = _as_array(array, name, Kind.ALLREDUCE)
+    _check_scales(arr, name, pre, post)
     return _submit(Kind.ALLREDUCE, arr, name, op=int(op), prescale=float(prescale_factor),
                    postscale=float(postscale_factor))
 
@@ -127,6 +137,10 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
     base = name or _auto_name("grouped_allreduce")
     op = _reduce_op(op, base)
     arrays = list(arrays)
+    pre, post = float(prescale_factor), float(postscale_factor)
+    if not (math.isfinite(pre) and math.isfinite(post)):
+        for i, a in enumerate(arrays):
+            _check_scales(np.asarray(a) if not hasattr(a, "dtype") else a, f"{base}.{i}", pre, post)
     packed = _pack_host_group(arrays, base)
     if packed is None:
         arrays = [_as_array(a, f"{base}.{i}", Kind.ALLREDUCE) for i, a in enumerate(arrays)]

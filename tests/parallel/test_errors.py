@@ -109,6 +109,20 @@ def test_unsupported_dtype():
     still_works("dtype-unsupported")
 
 
+def test_integer_tensor_with_a_non_finite_scale_factor():
+    # Used to reach the kernels on the background thread and abort the job.
+    with pytest.raises(hvd.InvalidCollectiveError,
+                       match=r"tensor 'bad.scale': an integer tensor \(int32\) needs finite scale "
+                             r"factors, got prescale_factor=inf"):
+        hvd.allreduce(np.ones(3, np.int32), prescale_factor=float("inf"), name="bad.scale")
+    with pytest.raises(hvd.InvalidCollectiveError, match=r"'bad.group.1': an integer tensor"):
+        hvd.grouped_allreduce([np.ones(2), np.ones(2, np.int64)], postscale_factor=float("nan"),
+                              name="bad.group")
+    # Floats take inf as IEEE arithmetic does.
+    assert np.isinf(hvd.allreduce(np.ones(2), prescale_factor=float("inf"), name="inf.float")).all()
+    still_works("scale-nonfinite")
+
+
 def test_duplicate_name_in_flight():
     first = hvd.allreduce_async(np.ones(2), name="dup")
     with pytest.raises(hvd.DuplicateNameError, match="tensor 'dup': a collective with this name is already in flight"):
