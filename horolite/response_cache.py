@@ -22,7 +22,7 @@ class ResponseCache:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._slots: List[Optional[Tuple[tuple, Response]]] = [None] * capacity
-        self._by_name: Dict[str, int] = {}
+        self._by_name: Dict[str, Tuple[int, tuple]] = {}  # name -> (slot, request signature)
         self._recency: "OrderedDict[int, None]" = OrderedDict()  # least recent first
 
     def __len__(self) -> int:
@@ -30,10 +30,10 @@ class ResponseCache:
 
     def lookup(self, request: Request) -> Tuple[str, int]:
         """(HIT, slot), (MISS, -1), or (INVALID, slot) when the name is cached with other parameters."""
-        slot = self._by_name.get(request.name)
-        if slot is None:
+        found = self._by_name.get(request.name)
+        if found is None:
             return MISS, -1
-        signature, _ = self._slots[slot]
+        slot, signature = found
         return (HIT, slot) if signature == request.signature() else (INVALID, slot)
 
     def response(self, slot: int) -> Response:
@@ -46,7 +46,8 @@ class ResponseCache:
     def put(self, request: Request, response: Response) -> Optional[int]:
         """Store a response under this rank's request; returns the slot evicted, if any."""
         evicted = None
-        slot = self._by_name.get(request.name)
+        found = self._by_name.get(request.name)
+        slot = found[0] if found is not None else None
         if slot is None:
             if len(self._by_name) < self.capacity:
                 slot = self._slots.index(None)
@@ -54,8 +55,9 @@ class ResponseCache:
                 slot = next(iter(self._recency))
                 evicted = slot
                 self.erase(slot)
-        self._slots[slot] = (request.signature(), response)
-        self._by_name[request.name] = slot
+        signature = request.signature()
+        self._slots[slot] = (signature, response)
+        self._by_name[request.name] = (slot, signature)
         self._recency[slot] = None
         self._recency.move_to_end(slot)
         return evicted

@@ -23,7 +23,7 @@ from .errors import HorovodInternalError, ShutdownError, StallError
 from .execution import Executor
 from .messages import JOIN_NAME, Kind, Response
 from .negotiation import Coordinator
-from .response_cache import HIT, INVALID, ResponseCache
+from .response_cache import HIT, INVALID, MISS, ResponseCache
 from .stall import StallInspector
 from .tensor_queue import Entry, TensorQueue
 from .timeline import open_timeline
@@ -177,17 +177,19 @@ class Runtime:
         now = time.monotonic()
         if self.config.timeline_mark_cycles:
             self.timeline.instant("CYCLE_START")
+        lookup = self.cache.lookup if self.cache.capacity else None
+        waiting = self._waiting
         for entry in self.queue.take_new():
             req = entry.request
             if req.kind == Kind.JOIN:
                 self._joined = True
                 self._unsent.append(entry)
                 continue
-            status, slot = self.cache.lookup(req) if self.cache.capacity else ("miss", -1)
-            if status == HIT and slot not in self._waiting:
-                self._waiting[slot] = entry
+            status, slot = lookup(req) if lookup is not None else (MISS, -1)
+            if status is HIT and slot not in waiting:
+                waiting[slot] = entry
             else:
-                if status == INVALID:
+                if status is INVALID:
                     self._invalid.add(slot)
                 self._unsent.append(entry)
         for slot, entry in list(self._waiting.items()):
