@@ -10,13 +10,13 @@ import logging
 import time
 import zlib
 
-import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from horolite.ops import ReduceOp
 from horolite.transport import shared_memory as shm_mod
+from test_collectives import np_dtype, reference  # (starts the runtime: harmless here)
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -25,28 +25,12 @@ OPS = [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PROD
 needs_ranks = pytest.mark.skipif(SIZE < 2, reason="one rank has nobody to share memory with")
 
 
-def np_dtype(name):
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
 def make(rank, count, dtype, key, high):
     """Values in [low, high), different per rank, key and position (cheaper than an RNG)."""
     low = 1 if high == 3 else 0
     salt = zlib.crc32(repr((rank, key)).encode()) % 9973
     values = (np.arange(count, dtype=np.int64) * (2 * rank + 3) + salt) % (high - low) + low
     return values.astype(np_dtype(dtype))
-
-
-def reference(op, arrays, dtype):
-    stack = np.stack([a.astype(np.float64) for a in arrays])
-    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        out = stack.sum(axis=0)
-        if op == ReduceOp.AVERAGE:
-            out = out / len(arrays)
-            if np_dtype(dtype).kind in "iu":
-                out = np.trunc(out)
-        return out
-    return {ReduceOp.MIN: stack.min, ReduceOp.MAX: stack.max, ReduceOp.PRODUCT: stack.prod}[op](axis=0)
 
 
 def sizes(dtype):
