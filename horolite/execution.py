@@ -206,7 +206,7 @@ class Executor:
             t1 = time.monotonic()
             self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
             self.transport.allreduce(flat, op, postscale,
-                                     f"{first.name}' and {len(batch) - 1} more fused with it '")
+                                     f"tensor '{first.name}' and {len(batch) - 1} more fused with it")
             self._span(names, "ALLREDUCE", t1, time.monotonic())
             self.queue.finish_all([r.name for r, e in zip(batch, entries) if e is not None])
             for entry, out in zip(entries, _views(flat, inputs)):
@@ -217,14 +217,14 @@ class Executor:
         if first.prescale == 1.0:
             # No copy into the output first: the ring reads the input and writes the output.
             self.transport.allreduce_from(inputs[0].reshape(-1), outputs[0].reshape(-1), op,
-                                          postscale, first.name)
+                                          postscale, f"tensor '{first.name}'")
             self._span(names, "ALLREDUCE", start, time.monotonic())
         else:
             flat = outputs[0].reshape(-1)
             kernels.pack(flat.view(np.uint8), inputs, first.prescale)
             t1 = time.monotonic()
             self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
-            self.transport.allreduce(flat, op, postscale, first.name)
+            self.transport.allreduce(flat, op, postscale, f"tensor '{first.name}'")
             self._span(names, "ALLREDUCE", t1, time.monotonic())
         self._complete(first, entries[0], outputs[0])
         return outputs[0].nbytes

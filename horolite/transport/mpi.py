@@ -121,16 +121,17 @@ class MPITransport:
         return self.control_comm.bcast(obj, root=root)
 
     # ---- data plane ----
-    def allreduce(self, buf: np.ndarray, op, postscale: float, name: str = "") -> None:
+    def allreduce(self, buf: np.ndarray, op, postscale: float, what: str = "") -> None:
+        """`what` names the tensors in a stall report, e.g. "tensor 'w'"."""
         if self.shared_memory is not None and buf.size:
-            self.shared_memory.allreduce(buf, buf, op, postscale, name)
+            self.shared_memory.allreduce(buf, buf, op, postscale, what)
         else:
             self.ring.allreduce(buf, op, postscale)
 
     def allreduce_from(self, src: np.ndarray, dst: np.ndarray, op, postscale: float,
-                       name: str = "") -> None:
+                       what: str = "") -> None:
         if self.shared_memory is not None and src.size:
-            self.shared_memory.allreduce(src, dst, op, postscale, name)
+            self.shared_memory.allreduce(src, dst, op, postscale, what)
         else:
             self.ring.allreduce_from(src, dst, op, postscale)
 

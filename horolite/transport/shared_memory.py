@@ -57,8 +57,9 @@ class SharedMemoryAllreduce:
         comm.Barrier()  # every rank's counters are zero before anyone reads them
 
     def allreduce(self, src: np.ndarray, dst: np.ndarray, op, postscale: float,
-                  name: str = "") -> None:
-        """src and dst: 1-D, contiguous, same size and dtype; dst may be src."""
+                  what: str = "") -> None:
+        """src and dst: 1-D, contiguous, same size and dtype; dst may be src.
+        `what` names the tensors in a stall report, e.g. "tensor 'w'"."""
         code, opc = kernels.native_codes(src.dtype, op)
         self._resume[0] = 0
         waited = 0.0
@@ -73,8 +74,8 @@ class SharedMemoryAllreduce:
             if rc < 0:
                 kernels.check(rc)
             waited += self.report_after
-            _log.warning("rank %d: tensor '%s' has waited %.0f s in the shared-memory allreduce "
-                         "for ranks %s", self.rank, name, waited, self._behind())
+            _log.warning("rank %d: %s has waited %.0f s in the shared-memory allreduce "
+                         "for ranks %s", self.rank, what or "a tensor", waited, self._behind())
         self._epoch += self._blocks[0]
 
     def _behind(self):

@@ -63,7 +63,7 @@ def test_matches_numpy(shm, dtype, op):
         inputs = [make(q, count, dtype, key, high) for q in range(SIZE)]
         src = inputs[RANK].copy()
         dst = np.full(count, 99, dtype=src.dtype)
-        shm.allreduce(src, dst, op, postscale, name=f"t{count}")
+        shm.allreduce(src, dst, op, postscale, what=f"tensor 't{count}'")
         assert np.array_equal(src, inputs[RANK]), "the input was modified"
         want = reference(op, inputs, dtype)
         got = dst.astype(np.float64)
@@ -78,7 +78,7 @@ def test_in_place_with_postscale(shm):
     count = 2 * (shm_mod.SLOT_BYTES // 4) + 7
     inputs = [make(q, count, "float32", "inplace", 100) for q in range(SIZE)]
     buf = inputs[RANK].copy()
-    shm.allreduce(buf, buf, ReduceOp.SUM, 0.25, name="inplace")
+    shm.allreduce(buf, buf, ReduceOp.SUM, 0.25)
     np.testing.assert_allclose(buf, np.sum(inputs, axis=0) * 0.25, rtol=1e-6)
 
 
@@ -89,7 +89,7 @@ def test_result_identical_on_every_rank(shm):
     count = shm_mod.SLOT_BYTES // 4 * 2 + 3
     x = (np.random.RandomState(RANK).standard_normal(count) * 10.0 ** (RANK % 5)).astype(np.float32)
     out = np.empty_like(x)
-    shm.allreduce(x, out, ReduceOp.SUM, 1.0, name="bits")
+    shm.allreduce(x, out, ReduceOp.SUM, 1.0)
     everyone = COMM.allgather(out.tobytes())
     assert all(b == everyone[0] for b in everyone)
 
@@ -108,7 +108,7 @@ def test_a_late_rank_is_reported_and_then_joins():
         out = np.empty_like(x)
         if RANK == late:
             time.sleep(1.2)
-        instance.allreduce(x, out, ReduceOp.SUM, 1.0, name="grad/late")
+        instance.allreduce(x, out, ReduceOp.SUM, 1.0, what="tensor 'grad/late'")
         assert np.all(out == SIZE * (SIZE + 1) / 2)
     finally:
         logger.removeHandler(handler)
@@ -118,7 +118,7 @@ def test_a_late_rank_is_reported_and_then_joins():
         assert messages == []
     else:
         assert messages, "the wait for the late rank was not reported"
-        assert "'grad/late'" in messages[0] and f"for ranks [{late}]" in messages[0], messages[0]
+        assert f"rank {RANK}: tensor 'grad/late' has waited" in messages[0] and f"for ranks [{late}]" in messages[0], messages[0]
 
 
 @needs_ranks
