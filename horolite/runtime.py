@@ -192,10 +192,15 @@ class Runtime:
                 if status is INVALID:
                     self._invalid.add(slot)
                 self._unsent.append(entry)
-        for slot, entry in list(self._waiting.items()):
-            if now - entry.submitted > self._demote_after:
-                self._invalid.add(slot)
-                self._unsent.append(self._waiting.pop(slot))
+        # Oldest first (insertion order is submission order), so stop at the first young one.
+        expired = []
+        for slot, entry in waiting.items():
+            if now - entry.submitted <= self._demote_after:
+                break
+            expired.append(slot)
+        for slot in expired:
+            self._invalid.add(slot)
+            self._unsent.append(waiting.pop(slot))
 
         flags = 0
         if self._unsent:
