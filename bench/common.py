@@ -227,7 +227,7 @@ def _markdown(columns: Sequence[str], rows: List[Sequence[str]], targets: List[T
     if targets:
         lines += ["", "| target | measured | bound | met | what limits it |", "|---|---|---|---|---|"]
         for t in targets:
-            value = "n/a" if t.value is None else f"{t.value:.3g} {t.unit}".strip()
+            value = "n/a" if t.value is None else f"{t.value:.4g} {t.unit}".strip()
             bound = f"{'>=' if t.higher_is_better else '<='} {t.bound:g} {t.unit}".strip()
             met = {True: "met", False: "**missed**", None: "not measured"}[t.met]
             lines.append(f"| {t.name} | {value} | {bound} | {met} | {t.limited_by} |")

@@ -36,7 +36,7 @@ def target_rows():
     rows = ["| target | measured | bound | met | what limits it | run |", "|---|---|---|---|---|---|"]
     for _, name in RUNS:
         for t in load(name)["targets"]:
-            value = "n/a" if t["value"] is None else f"{t['value']:.3g} {t['unit']}".strip()
+            value = "n/a" if t["value"] is None else f"{t['value']:.4g} {t['unit']}".strip()
             bound = f"{t['comparison']} {t['bound']:g} {t['unit']}".strip()
             met = {True: "met", False: "**missed**", None: "not measured"}[t["met"]]
             rows.append(f"| {t['name']} | {value} | {bound} | {met} | {t['limited_by']} | `{name}` |")
