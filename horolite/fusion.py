@@ -9,7 +9,7 @@ from typing import Callable, List, Sequence, Tuple
 
 from .messages import Kind, Response
 
-__all__ = ["plan_batches", "plan_spans"]
+__all__ = ["plan_spans"]
 
 
 def _fusion_key(resp: Response):
@@ -49,9 +49,3 @@ def plan_spans(responses: Sequence[Response], nbytes: Callable[[Response], int],
     if start >= 0:
         spans.append((start, len(responses)))
     return spans
-
-
-def plan_batches(responses: Sequence[Response], nbytes: Callable[[Response], int],
-                 threshold: int) -> List[List[Response]]:
-    """plan_spans as lists of responses."""
-    return [list(responses[a:b]) for a, b in plan_spans(responses, nbytes, threshold)]

@@ -1,7 +1,7 @@
 """Fusion planning is a pure function of the response list and sizes."""
 import numpy as np
 
-from horolite.fusion import plan_batches
+from horolite.fusion import plan_spans
 from horolite.messages import Kind, Response
 
 
@@ -13,24 +13,25 @@ def size(resp):
     return resp.shape[0] * np.dtype(resp.dtype).itemsize
 
 
-def names(batches):
-    return [[r.name for r in b] for b in batches]
+def names(rs, threshold):
+    """The planned batches, as lists of names."""
+    return [[r.name for r in rs[a:b]] for a, b in plan_spans(rs, size, threshold)]
 
 
 def test_consecutive_compatible_tensors_fuse_up_to_threshold():
     rs = [ar("a", 10), ar("b", 10), ar("c", 10)]
-    assert names(plan_batches(rs, size, 80)) == [["a", "b"], ["c"]]
-    assert names(plan_batches(rs, size, 1000)) == [["a", "b", "c"]]
+    assert names(rs, 80) == [["a", "b"], ["c"]]
+    assert names(rs, 1000) == [["a", "b", "c"]]
 
 
 def test_threshold_zero_disables_fusion():
     rs = [ar("a", 1), ar("b", 1)]
-    assert names(plan_batches(rs, size, 0)) == [["a"], ["b"]]
+    assert names(rs, 0) == [["a"], ["b"]]
 
 
 def test_bigger_than_threshold_runs_alone():
     rs = [ar("a", 1), ar("big", 1000), ar("b", 1)]
-    assert names(plan_batches(rs, size, 100)) == [["a"], ["big"], ["b"]]
+    assert names(rs, 100) == [["a"], ["big"], ["b"]]
 
 
 def test_different_dtype_op_scale_or_kind_break_batches():
@@ -38,7 +39,7 @@ def test_different_dtype_op_scale_or_kind_break_batches():
           ar("d", 1, dtype="float64", op=3, prescale=2.0),
           Response(kind=Kind.BROADCAST, name="e", dtype="float64", shape=(1,)),
           ar("f", 1, dtype="float64", op=3, prescale=2.0), ar("g", 1, error="x")]
-    assert names(plan_batches(rs, size, 1 << 20)) == [["a"], ["b"], ["c"], ["d"], ["e"], ["f"], ["g"]]
+    assert names(rs, 1 << 20) == [["a"], ["b"], ["c"], ["d"], ["e"], ["f"], ["g"]]
 
 
 def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
