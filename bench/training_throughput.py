@@ -214,7 +214,7 @@ def _round(args, comm, k: int) -> dict:
 def orchestrate(args) -> None:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
-    n, rank = comm.Get_size(), comm.Get_rank()
+    n = comm.Get_size()
     common.wait_until_quiet(comm, args.quiet_below, args.quiet_timeout)
 
     rounds = []

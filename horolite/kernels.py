@@ -78,8 +78,6 @@ def check(rc: int) -> None:
         raise ValueError(f"native kernel failed: {_ERRORS.get(rc, f'error {rc}')}")
 
 
-_check = check
-
 
 def _op_code(op: ReduceOp) -> int:
     opc = _OP_CODES.get(op)
@@ -108,14 +106,14 @@ def reduce_into(acc: np.ndarray, src: np.ndarray, op: ReduceOp, postscale: float
     """acc = (acc op src) * postscale, in one pass (AVERAGE reduces like SUM)."""
     code, count = _same_kind("reduce_into", "acc", acc, src)
     opc = _op_code(op)
-    _check(_lib.hl_reduce(_buf(acc, "acc", True), _buf(src, "src"), count, code, opc,
+    check(_lib.hl_reduce(_buf(acc, "acc", True), _buf(src, "src"), count, code, opc,
                           postscale))
 
 
 def scale_into(dst: np.ndarray, src: np.ndarray, factor: float) -> None:
     """dst = src * factor (dst may be src)."""
     code, count = _same_kind("scale_into", "dst", dst, src)
-    _check(_lib.hl_scale(_buf(dst, "dst", True), _buf(src, "src"), count, code, factor))
+    check(_lib.hl_scale(_buf(dst, "dst", True), _buf(src, "src"), count, code, factor))
 
 
 def _pointers(arrays, what: str, writable: bool):
@@ -145,7 +143,7 @@ def pack(buffer: np.ndarray, arrays, factor: float = 1.0) -> int:
                                 f"{dtype}, arrays[{i}] is {a.dtype}")
     if total > buffer.nbytes:
         raise ValueError(f"pack: arrays need {total} bytes, buffer has {buffer.nbytes}")
-    _check(_lib.hl_pack(_buf(buffer, "buffer", True), _new(_PTRS, keep), _new(_SIZES, sizes),
+    check(_lib.hl_pack(_buf(buffer, "buffer", True), _new(_PTRS, keep), _new(_SIZES, sizes),
                         len(keep), code, factor))
     return total
 
@@ -157,4 +155,4 @@ def unpack(buffer: np.ndarray, arrays) -> None:
     total = sum(sizes)
     if total > buffer.nbytes:
         raise ValueError(f"unpack: arrays need {total} bytes, buffer has {buffer.nbytes}")
-    _check(_lib.hl_unpack(_new(_PTRS, keep), _buf(buffer, "buffer"), _new(_SIZES, sizes), len(keep)))
+    check(_lib.hl_unpack(_new(_PTRS, keep), _buf(buffer, "buffer"), _new(_SIZES, sizes), len(keep)))

@@ -30,7 +30,6 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, int n, int r,
                      size_t count, int dtype, size_t itemsize, int op, double postscale,
                      int64_t epoch, int64_t *resume, double timeout_s, int polite,
                      int64_t *blocks);
-int64_t hl_shm_min_counter(int64_t *const *headers, int n, int word);
 """
 
 

@@ -75,17 +75,6 @@ static void streaming_done(void)
 static int64_t load_counter(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static void store_counter(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
-int64_t hl_shm_min_counter(int64_t *const *headers, int n, int word)
-{
-    int64_t lowest = load_counter(&headers[0][word]);
-    for (int q = 1; q < n; q++) {
-        int64_t v = load_counter(&headers[q][word]);
-        if (v < lowest)
-            lowest = v;
-    }
-    return lowest;
-}
-
 /* Until every rank's counter `word` is >= want: 0, or 1 once `deadline` passed.
  * A partner that is running answers within microseconds, so spin first; then
  * give the core away, more and more patiently (ranks may outnumber cores). */

@@ -39,7 +39,4 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, int n, int r,
                      int64_t epoch, int64_t *resume, double timeout_s, int polite,
                      int64_t *blocks);
 
-/* The smallest counter `word` among the n headers (for stall reports). */
-int64_t hl_shm_min_counter(int64_t *const *headers, int n, int word);
-
 #endif /* HOROLITE_SHM_RING_H */
