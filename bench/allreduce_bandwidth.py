@@ -152,12 +152,11 @@ LIMITS = {
     "vs_mpi": "when run across hosts or with HOROLITE_SHARED_MEMORY=0: MPICH moves every ring "
               "message through its own shared-memory bounce buffer (two copies), so each ring "
               "step costs about as much as MPI_Allreduce's own reduction steps",
-    "bound": "memory traffic: with the caller's input and output in private memory, the "
-             "shared-memory path moves 4.5N bytes per rank (stage the half others reduce, "
-             "reduce its own half, copy the whole result out) against the bound's 3N (one "
-             "numpy.add in place), so 1.5x is its floor; the rest is cache lines crossing cores "
-             "between the three passes and the ranks waiting on each other block by block "
-             "(this VM also shows ~30% steal time)",
+    "bound": "synchronization and cache lines crossing cores: the result arena keeps the "
+             "traffic at about 3N bytes per rank (stage the half others reduce, reduce its own "
+             "half from cache into both ranks' results), the bound's too, but the ranks wait "
+             "on each other block by block and every staged block crosses cores (this VM also "
+             "shows steal time)",
     "1mib": "the fixed cost of a background cycle (control allreduce, cache bits, two thread "
             "hand-offs) on top of the ring",
 }

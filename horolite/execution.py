@@ -49,15 +49,18 @@ class OutputPool:
     pool keeps the last few results per (shape, dtype) and hands one out again
     only when nothing but the pool refers to it (a view or a buffer export
     holds a reference, so an array still in use is never reused).
+    With a result arena (transport/result_arena.py) the arrays it keeps come
+    from there, so the shared-memory allreduce can write them directly.
     """
     MIN_BYTES = 64 << 10
     PER_KEY = 2
     # What the pool may hold in all: beyond it, results are plain new arrays.
     MAX_BYTES = 512 << 20
 
-    def __init__(self):
+    def __init__(self, arena=None):
         self._arrays = {}
         self._held = 0
+        self.arena = arena
 
     def empty(self, shape, dtype) -> np.ndarray:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -67,11 +70,14 @@ class OutputPool:
         for a in kept:
             if sys.getrefcount(a) <= 3:  # the list, `a`, and getrefcount's argument
                 return a
-        a = np.empty(shape, dtype=dtype)
         if len(kept) < self.PER_KEY and self._held + nbytes <= self.MAX_BYTES:
+            a = self.arena.empty(shape, dtype) if self.arena is not None else None
+            if a is None:
+                a = np.empty(shape, dtype=dtype)
             kept.append(a)
             self._held += nbytes
-        return a
+            return a
+        return np.empty(shape, dtype=dtype)
 
 
 def _views(flat: np.ndarray, arrays) -> List[np.ndarray]:
@@ -97,7 +103,8 @@ class Executor:
         self.rank = transport.rank
         self.size = transport.size
         self.fusion_threshold = fusion_threshold
-        self.outputs = OutputPool()
+        shared = getattr(transport, "shared_memory", None)
+        self.outputs = OutputPool(shared.arena if shared is not None else None)
         self._plans = {}  # see _plan
         self.timeline = timeline
         # GPU path: a device_execution.DeviceExecutor, set by the runtime when NCCL is up.

@@ -25,11 +25,16 @@ int hl_unpack(void *const *dsts, const void *src, const size_t *nbytes, size_t n
 int hl_isa_get(void);
 int hl_isa_set(int level);
 const char *hl_isa_name(int level);
-int hl_shm_allreduce(int64_t *const *headers, char *const *slots, int n, int r,
-                     size_t slot_bytes, int nslots, const void *src, void *dst,
-                     size_t count, int dtype, size_t itemsize, int op, double postscale,
-                     int64_t epoch, int64_t *resume, double timeout_s, int polite,
-                     int64_t *blocks);
+#define HL_SHM_STAGED ...
+#define HL_SHM_REDUCED ...
+#define HL_SHM_GATHERED ...
+#define HL_SHM_UNPUBLISHED ...
+#define HL_SHM_DIRECT ...
+int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *arenas,
+                     size_t arena_bytes, int n, int r, size_t slot_bytes, int nslots,
+                     const void *src, void *dst, size_t count, int dtype, size_t itemsize,
+                     int op, double postscale, int64_t epoch, int64_t *state,
+                     double timeout_s, int polite, int64_t *blocks);
 """
 
 

@@ -111,11 +111,24 @@ static int wait_all(int64_t *const *headers, int n, int word, int64_t want, doub
     }
 }
 
-int hl_shm_allreduce(int64_t *const *headers, char *const *slots, int n, int r,
-                     size_t slot_bytes, int nslots, const void *src, void *dst,
-                     size_t count, int dtype, size_t itemsize, int op, double postscale,
-                     int64_t epoch, int64_t *resume, double timeout_s, int polite,
-                     int64_t *blocks)
+/* Phase 1, owner side: fold the other ranks' staged copies of my segment into
+ * the copy staged by my successor; `in` is my own input for the segment. */
+static int reduce_segment(char *const *slots, int n, int r, size_t at, const char *in,
+                          size_t len, int dtype, int op, double postscale)
+{
+    char *acc = slots[(r + 1) % n] + at;
+    int rc = hl_reduce(acc, in, len, dtype, op, n == 2 ? postscale : 1.0);
+    for (int d = 2; d < n && rc == 0; d++)
+        rc = hl_reduce(acc, slots[(r + d) % n] + at, len, dtype, op,
+                       d == n - 1 ? postscale : 1.0);
+    return rc;
+}
+
+int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *arenas,
+                     size_t arena_bytes, int n, int r, size_t slot_bytes, int nslots,
+                     const void *src, void *dst, size_t count, int dtype, size_t itemsize,
+                     int op, double postscale, int64_t epoch, int64_t *state,
+                     double timeout_s, int polite, int64_t *blocks)
 {
     const size_t per_block = slot_bytes / itemsize;
     const int64_t nblocks = (int64_t)((count + per_block - 1) / per_block);
@@ -124,21 +137,37 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, int n, int r,
     const double deadline = hl_now() + timeout_s;
     /* an output larger than this is not expected to be read back from cache */
     const int stream = count * itemsize >= ((size_t)8 << 20);
+    /* the owner writes results a chunk at a time, while the chunk is in L1 */
+    const size_t chunk = 16384 / itemsize;
+    int64_t *const offsets = state + 2;
     *blocks = nblocks;
 
-    for (int64_t pos = *resume; pos < nblocks * 3; pos++) {
+    if (state[1] == HL_SHM_UNPUBLISHED) {
+        /* where my result is in my arena, or -1; read by the others once they see
+         * my first block staged (the release below orders the two) */
+        int64_t off = -1;
+        if (arenas != NULL && out >= arenas[r] &&
+            (size_t)(out - arenas[r]) + count * itemsize <= arena_bytes)
+            off = (int64_t)(out - arenas[r]);
+        headers[r][HL_SHM_OUT_OFFSET] = off;
+        state[1] = HL_SHM_UNDECIDED;
+    }
+    for (int64_t pos = state[0]; pos < nblocks * 3; pos++) {
         const int64_t k = pos / 3, kk = epoch + k;
         const int phase = (int)(pos % 3);
         const size_t lo = (size_t)k * per_block;
         const size_t m = (count - lo < per_block) ? count - lo : per_block;
         const size_t slot_off = (size_t)(kk % nslots) * slot_bytes;
+        const int direct = state[1] == HL_SHM_DIRECT;
         /* segment q of this block: elements [seg(q), seg(q + 1)) counted from lo */
 #define SEG(q) (m * (size_t)(q) / (size_t)n)
         int rc;
         if (phase == 0) {
-            /* my slot held block kk - nslots: free once every rank has gathered it */
-            if (wait_all(headers, n, HL_SHM_GATHERED, kk - nslots + 1, deadline, polite)) {
-                *resume = pos;
+            /* my slot held block kk - nslots: free once every rank is done with it,
+             * which a direct block says by its owners' REDUCED, else by GATHERED */
+            int word = (direct && kk - nslots >= epoch) ? HL_SHM_REDUCED : HL_SHM_GATHERED;
+            if (wait_all(headers, n, word, kk - nslots + 1, deadline, polite)) {
+                state[0] = pos;
                 return 1;
             }
             char *mine = slots[r] + slot_off;
@@ -148,29 +177,48 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, int n, int r,
             store_counter(&headers[r][HL_SHM_STAGED], kk + 1);
         } else if (phase == 1) {
             if (wait_all(headers, n, HL_SHM_STAGED, kk + 1, deadline, polite)) {
-                *resume = pos;
+                state[0] = pos;
                 return 1;
             }
-            size_t a = SEG(r), len = SEG(r + 1) - a;
-            if (len) {
-                /* my segment accumulates in the copy staged by my successor */
-                char *acc = slots[(r + 1) % n] + slot_off + a * itemsize;
-                rc = hl_reduce(acc, in + (lo + a) * itemsize, len, dtype, op,
-                               n == 2 ? postscale : 1.0);
-                if (rc < 0)
-                    return rc;
-                for (int d = 2; d < n; d++) {
-                    int p = (r + d) % n;
-                    rc = hl_reduce(acc, slots[p] + slot_off + a * itemsize, len, dtype, op,
-                                   d == n - 1 ? postscale : 1.0);
-                    if (rc < 0)
-                        return rc;
+            if (state[1] == HL_SHM_UNDECIDED) {
+                /* every rank has staged, so every rank has published: all decide alike */
+                int all = 1;
+                for (int q = 0; q < n; q++) {
+                    offsets[q] = headers[q][HL_SHM_OUT_OFFSET];
+                    all &= offsets[q] >= 0;
                 }
+                state[1] = all ? HL_SHM_DIRECT : HL_SHM_GATHER;
+            }
+            size_t a = SEG(r), len = SEG(r + 1) - a;
+            if (state[1] == HL_SHM_GATHER) {
+                if (len && (rc = reduce_segment(slots, n, r, slot_off + a * itemsize,
+                                                in + (lo + a) * itemsize, len, dtype, op,
+                                                postscale)) < 0)
+                    return rc;
+            } else {
+                /* direct: my segment goes from cache straight into every rank's result */
+                for (size_t c = a; c < a + len; c += chunk) {
+                    size_t cl = (a + len - c < chunk) ? a + len - c : chunk;
+                    size_t at = slot_off + c * itemsize;
+                    if ((rc = reduce_segment(slots, n, r, at, in + (lo + c) * itemsize, cl,
+                                             dtype, op, postscale)) < 0)
+                        return rc;
+                    const char *from = slots[(r + 1) % n] + at;
+                    for (int q = 0; q < n; q++) {
+                        char *to = arenas[q] + offsets[q] + (lo + c) * itemsize;
+                        if (stream)
+                            copy_streaming(to, from, cl * itemsize);
+                        else
+                            memcpy(to, from, cl * itemsize);
+                    }
+                }
+                if (stream)
+                    streaming_done();
             }
             store_counter(&headers[r][HL_SHM_REDUCED], kk + 1);
-        } else {
+        } else if (state[1] == HL_SHM_GATHER) {
             if (wait_all(headers, n, HL_SHM_REDUCED, kk + 1, deadline, polite)) {
-                *resume = pos;
+                state[0] = pos;
                 return 1;
             }
             for (int q = 0; q < n; q++) {
@@ -188,6 +236,12 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, int n, int r,
         }
 #undef SEG
     }
-    *resume = nblocks * 3;
+    state[0] = nblocks * 3;
+    if (state[1] == HL_SHM_DIRECT) {
+        /* my result is complete once every owner has written its last segment */
+        if (wait_all(headers, n, HL_SHM_REDUCED, epoch + nblocks, deadline, polite))
+            return 1;
+        store_counter(&headers[r][HL_SHM_GATHERED], epoch + nblocks);
+    }
     return 0;
 }

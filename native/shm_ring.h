@@ -7,10 +7,16 @@
  *   reduce: rank q folds its own segment and the other ranks' staged copies of
  *           segment q into the staged copy held by rank (q+1) % n;
  *   gather: every rank copies each reduced segment into its output.
+ * When every rank's output lies in its result arena (memory the other ranks
+ * have mapped too), the call is "direct": rank q writes its reduced segment
+ * straight into every rank's output and there is no gather pass, so each
+ * result byte crosses from one core to another once instead of twice. Every
+ * rank publishes where its output is before it stages its first block, so
+ * all ranks see the same offsets and choose the same way.
  * Each rank touches its input and output once, and the staged block is still
- * in cache when it is reduced and gathered: the point of the block size.
+ * in cache when it is reduced: the point of the block size.
  * Progress counters (one cache line each) are monotonic across calls, so a
- * slot is reused only once every rank has gathered the block it held.
+ * slot is reused only once every rank is done with the block it held.
  */
 #ifndef HOROLITE_SHM_RING_H
 #define HOROLITE_SHM_RING_H
@@ -18,25 +24,35 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Int64 words in a rank's header: three counters, each on its own 64-byte line. */
-#define HL_SHM_HEADER_WORDS 24
+/* Int64 words in a rank's header, each on its own 64-byte line: three progress
+ * counters and the offset of the current call's output in the rank's arena. */
+#define HL_SHM_HEADER_WORDS 32
 #define HL_SHM_STAGED 0
 #define HL_SHM_REDUCED 8
 #define HL_SHM_GATHERED 16
+#define HL_SHM_OUT_OFFSET 24
+
+/* state[1] of a call: set to HL_SHM_UNPUBLISHED before the first try */
+#define HL_SHM_UNPUBLISHED (-2)
+#define HL_SHM_UNDECIDED (-1)
+#define HL_SHM_GATHER 0
+#define HL_SHM_DIRECT 1
 
 /* dst = allreduce(src) over n ranks (dst may equal src). headers[q] and
- * slots[q] are rank q's header and first slot as mapped in this process.
- * `epoch` is the number of blocks all earlier calls moved (the same on every
- * rank); *resume is 0 on the first call and is kept between calls that
- * returned 1. Waits spin, then yield, then sleep (polite != 0 starts sleeping
- * sooner: for more ranks than cores).
+ * slots[q] are rank q's header and first slot as mapped in this process;
+ * arenas[q] is rank q's result arena of arena_bytes as mapped here, or arenas
+ * is NULL when there are none. `epoch` is the number of blocks all earlier
+ * calls moved (the same on every rank). state holds 2 + n int64: state[0] = 0
+ * and state[1] = HL_SHM_UNPUBLISHED on the first try, kept as they are between
+ * tries of one call. Waits spin, then yield, then sleep (polite != 0 starts
+ * sleeping sooner: for more ranks than cores).
  * Returns 0 when done, 1 when a wait on other ranks passed `timeout_s`
  * (call again with the same arguments to continue), or a negative hl_reduce
  * error code. *blocks is set to the number of blocks this call moves. */
-int hl_shm_allreduce(int64_t *const *headers, char *const *slots, int n, int r,
-                     size_t slot_bytes, int nslots, const void *src, void *dst,
-                     size_t count, int dtype, size_t itemsize, int op, double postscale,
-                     int64_t epoch, int64_t *resume, double timeout_s, int polite,
-                     int64_t *blocks);
+int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *arenas,
+                     size_t arena_bytes, int n, int r, size_t slot_bytes, int nslots,
+                     const void *src, void *dst, size_t count, int dtype, size_t itemsize,
+                     int op, double postscale, int64_t epoch, int64_t *state,
+                     double timeout_s, int polite, int64_t *blocks);
 
 #endif /* HOROLITE_SHM_RING_H */

@@ -7,6 +7,9 @@ share a window (MPI_Win_allocate_shared) and each byte is copied once into it,
 reduced in place by the rank that owns it, and copied once out: the C loop in
 native/shm_ring.c, block by block so a block is still in cache between the
 three passes. Across hosts the ring over MPI is used as before.
+
+Results the output pool placed in the ranks' result arenas (result_arena.py)
+are written by the reducing rank directly, without the copy out.
 """
 from __future__ import annotations
 
@@ -18,22 +21,28 @@ from mpi4py import MPI
 
 from .. import kernels
 from .._native import ffi as _ffi, lib as _lib
+from .result_arena import ResultArena, open_result_arena
 
 __all__ = ["SharedMemoryAllreduce", "open_shared_memory"]
 
 _log = logging.getLogger("horolite.transport.shared_memory")
 
-# Per rank: a header page (three progress counters) and SLOTS slots of SLOT_BYTES.
+# Per rank: a header page (progress counters) and SLOTS slots of SLOT_BYTES.
 HEADER_BYTES = 4096
 SLOT_BYTES = 1 << 20
 SLOTS = 4
-_WORDS = {"staged": 0, "reduced": 8, "gathered": 16}
+_WORDS = {"staged": _lib.HL_SHM_STAGED, "reduced": _lib.HL_SHM_REDUCED,
+          "gathered": _lib.HL_SHM_GATHERED}
+# Address space for each rank's result arena; memory is used only as the
+# output pool fills it, and the pool keeps at most half of this.
+ARENA_BYTES = 1 << 30
 
 
 class SharedMemoryAllreduce:
     """dst = allreduce(src) for the ranks of `comm`, all on this host."""
 
-    def __init__(self, comm: MPI.Comm, polite: bool, report_after: float):
+    def __init__(self, comm: MPI.Comm, polite: bool, report_after: float,
+                 arena: Optional[ResultArena] = None):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.polite = 1 if polite else 0
@@ -51,7 +60,14 @@ class SharedMemoryAllreduce:
                                                  for r in regions])
         self._slots = _ffi.new("char *[]", [_ffi.cast("char *", _ffi.from_buffer(r)) + HEADER_BYTES
                                             for r in regions])
-        self._resume = _ffi.new("int64_t *")
+        self.arena = arena
+        if arena is not None:
+            self._arenas = _ffi.new("char *[]", [_ffi.cast("char *", _ffi.from_buffer(m))
+                                                 for m in arena.maps])
+            self._arena_bytes = arena.capacity
+        else:
+            self._arenas, self._arena_bytes = _ffi.NULL, 0
+        self._state = _ffi.new("int64_t[]", 2 + self.size)
         self._blocks = _ffi.new("int64_t *")
         self._epoch = 0  # blocks moved so far: the same on every rank
         comm.Barrier()  # every rank's counters are zero before anyone reads them
@@ -61,14 +77,16 @@ class SharedMemoryAllreduce:
         """src and dst: 1-D, contiguous, same size and dtype; dst may be src.
         `what` names the tensors in a stall report, e.g. "tensor 'w'"."""
         code, opc = kernels.native_codes(src.dtype, op)
-        self._resume[0] = 0
+        self._state[0] = 0
+        self._state[1] = _lib.HL_SHM_UNPUBLISHED
         waited = 0.0
         while True:
             rc = _lib.hl_shm_allreduce(
-                self._headers, self._slots, self.size, self.rank, SLOT_BYTES, SLOTS,
-                _ffi.from_buffer(src), _ffi.from_buffer(dst, require_writable=True), src.size,
-                code, src.itemsize, opc, postscale, self._epoch, self._resume,
-                self.report_after, self.polite, self._blocks)
+                self._headers, self._slots, self._arenas, self._arena_bytes, self.size,
+                self.rank, SLOT_BYTES, SLOTS, _ffi.from_buffer(src),
+                _ffi.from_buffer(dst, require_writable=True), src.size, code, src.itemsize,
+                opc, postscale, self._epoch, self._state, self.report_after, self.polite,
+                self._blocks)
             if rc == 0:
                 break
             if rc < 0:
@@ -78,6 +96,11 @@ class SharedMemoryAllreduce:
                          "for ranks %s", self.rank, what or "a tensor", waited, self._behind())
         self._epoch += self._blocks[0]
 
+    @property
+    def wrote_directly(self) -> bool:
+        """Whether the last call wrote every rank's result directly (all were in arenas)."""
+        return self._state[1] == _lib.HL_SHM_DIRECT
+
     def _behind(self):
         """Ranks whose progress is behind this rank's (the ones being waited for)."""
         mine = self._counters[self.rank]
@@ -86,15 +109,19 @@ class SharedMemoryAllreduce:
 
     def close(self) -> None:
         """Collective: only when every rank stops together."""
-        self._headers = self._slots = None
+        self._headers = self._slots = self._arenas = None
         self._regions = self._counters = None
+        if self.arena is not None:
+            self.arena.close()
         self._win.Free()
 
 
 def open_shared_memory(comm: MPI.Comm, polite: bool, report_after: float,
-                       enabled: bool = True) -> Optional[SharedMemoryAllreduce]:
+                       enabled: bool = True, arena: bool = True
+                       ) -> Optional[SharedMemoryAllreduce]:
     """The shared-memory path when every rank of `comm` is on this host, else None.
 
+    arena=False leaves results in private memory (always copied out).
     Collective over `comm`: every rank gets the same answer.
     """
     if comm.Get_size() < 2 or not enabled:
@@ -107,8 +134,9 @@ def open_shared_memory(comm: MPI.Comm, polite: bool, report_after: float,
     # Every rank's view agrees (the host split is a partition), but make it explicit.
     if not comm.allreduce(all_local, op=MPI.LAND):
         return None
+    results = open_result_arena(comm, ARENA_BYTES) if arena else None
     try:
-        shared = SharedMemoryAllreduce(comm, polite, report_after)
+        shared = SharedMemoryAllreduce(comm, polite, report_after, results)
         error = None
     except MPI.Exception as exc:  # e.g. a container's small /dev/shm
         shared, error = None, exc
@@ -116,5 +144,7 @@ def open_shared_memory(comm: MPI.Comm, polite: bool, report_after: float,
     if not comm.allreduce(error is None, op=MPI.LAND):
         _log.warning("rank %d: no shared-memory window (%s); allreduce uses the ring over MPI",
                      comm.Get_rank(), error or "another rank could not allocate one")
+        if results is not None:
+            results.close()
         return None  # a window some rank did allocate is left to process exit
     return shared

@@ -1,6 +1,10 @@
 """The shared-memory allreduce (transport/shared_memory.py, native/shm_ring.c)
 on a real shared window between real ranks, against NumPy references.
 
+Every result is checked both ways: into private memory (each rank copies the
+reduced blocks out) and into the result arena (transport/result_arena.py: the
+reducing rank writes every rank's result directly).
+
 Sizes straddle the slot size (one block per slot), so blocks, uneven segments
 and the slot reuse across calls are all exercised; one instance serves every
 test in order, so its progress counters run on across dtypes of different
@@ -15,6 +19,7 @@ import pytest
 from mpi4py import MPI
 
 from horolite.ops import ReduceOp
+from horolite.transport import result_arena
 from horolite.transport import shared_memory as shm_mod
 from test_collectives import np_dtype, reference  # (starts the runtime: harmless here)
 
@@ -47,23 +52,37 @@ def shm():
         instance.close()
 
 
+def output(shm, where, count, dtype):
+    """A result array of `count` elements filled with junk, private or in the arena."""
+    if where == "private":
+        out = np.empty(count, dtype=dtype)
+    else:
+        out = shm.arena.empty((count,), np.dtype(dtype))
+        assert out is not None
+    out.view(np.uint8)[:] = 99
+    return out
+
+
 def test_open_only_with_peers_and_when_enabled(shm):
     assert (shm is None) == (SIZE == 1)
+    assert shm is None or shm.arena is not None
     assert shm_mod.open_shared_memory(COMM, polite=True, report_after=1.0, enabled=False) is None
 
 
 @needs_ranks
+@pytest.mark.parametrize("where", ["private", "arena"])
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_numpy(shm, dtype, op):
+def test_matches_numpy(shm, dtype, op, where):
     high = 3 if op == ReduceOp.PRODUCT else 5  # products stay inside int8
     postscale = 1.0 / SIZE if op == ReduceOp.AVERAGE else 1.0
     for count in sizes(dtype):
         key = (dtype, op.name, count)
         inputs = [make(q, count, dtype, key, high) for q in range(SIZE)]
         src = inputs[RANK].copy()
-        dst = np.full(count, 99, dtype=src.dtype)
+        dst = output(shm, where, count, src.dtype)
         shm.allreduce(src, dst, op, postscale, what=f"tensor 't{count}'")
+        assert shm.wrote_directly == (where == "arena")
         assert np.array_equal(src, inputs[RANK]), "the input was modified"
         want = reference(op, inputs, dtype)
         got = dst.astype(np.float64)
@@ -74,38 +93,58 @@ def test_matches_numpy(shm, dtype, op):
 
 
 @needs_ranks
-def test_in_place_with_postscale(shm):
+@pytest.mark.parametrize("where", ["private", "arena"])
+def test_in_place_with_postscale(shm, where):
     count = 2 * (shm_mod.SLOT_BYTES // 4) + 7
     inputs = [make(q, count, "float32", "inplace", 100) for q in range(SIZE)]
-    buf = inputs[RANK].copy()
+    buf = output(shm, where, count, np.float32)
+    buf[:] = inputs[RANK]
     shm.allreduce(buf, buf, ReduceOp.SUM, 0.25)
     np.testing.assert_allclose(buf, np.sum(inputs, axis=0) * 0.25, rtol=1e-6)
 
 
 @needs_ranks
-def test_result_identical_on_every_rank(shm):
+def test_one_private_result_makes_every_rank_copy_out(shm):
+    # Calls alternate between direct (all results in arenas) and copied out (one
+    # rank's result private), over more blocks than slots: each mode reuses slots
+    # the other one left, and every rank must choose the same mode each time.
+    count = (shm_mod.SLOTS + 2) * (shm_mod.SLOT_BYTES // 8) + 5
+    for call, private_rank in enumerate([None, SIZE - 1, None, 0, 0, None]):
+        inputs = [make(q, count, "float64", ("mixed", call), 50) for q in range(SIZE)]
+        where = "private" if RANK == private_rank else "arena"
+        dst = output(shm, where, count, np.float64)
+        shm.allreduce(inputs[RANK], dst, ReduceOp.SUM, 1.0, what=f"tensor 'mixed{call}'")
+        np.testing.assert_array_equal(dst, np.sum(inputs, axis=0), err_msg=f"call {call}")
+        assert shm.wrote_directly == (private_rank is None)
+
+
+@needs_ranks
+@pytest.mark.parametrize("where", ["private", "arena"])
+def test_result_identical_on_every_rank(shm, where):
     # Each segment is reduced once, by its owner: every rank gets the same bits,
     # even for a sum whose rounding depends on the order.
     count = shm_mod.SLOT_BYTES // 4 * 2 + 3
     x = (np.random.RandomState(RANK).standard_normal(count) * 10.0 ** (RANK % 5)).astype(np.float32)
-    out = np.empty_like(x)
+    out = output(shm, where, count, np.float32)
     shm.allreduce(x, out, ReduceOp.SUM, 1.0)
     everyone = COMM.allgather(out.tobytes())
     assert all(b == everyone[0] for b in everyone)
 
 
 @needs_ranks
-def test_a_late_rank_is_reported_and_then_joins():
+@pytest.mark.parametrize("where", ["private", "arena"])
+def test_a_late_rank_is_reported_and_then_joins(where):
     late = SIZE - 1
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logger = logging.getLogger("horolite.transport.shared_memory")
     logger.addHandler(handler)
-    instance = shm_mod.SharedMemoryAllreduce(COMM, polite=True, report_after=0.3)
+    instance = shm_mod.open_shared_memory(COMM, polite=True, report_after=0.3,
+                                          arena=where == "arena")
     try:
         x = np.full(1000, RANK + 1, dtype=np.float64)
-        out = np.empty_like(x)
+        out = output(instance, where, x.size, x.dtype)
         if RANK == late:
             time.sleep(1.2)
         instance.allreduce(x, out, ReduceOp.SUM, 1.0, what="tensor 'grad/late'")
@@ -139,14 +178,56 @@ def test_no_window_falls_back_to_the_ring(monkeypatch):
     assert any("uses the ring over MPI" in r.getMessage() for r in records)
 
 
+@needs_ranks
+def test_an_arena_refused_anywhere_is_used_nowhere(monkeypatch):
+    # As where /proc/<pid>/fd of another process cannot be opened (hidepid, another user).
+    if RANK == SIZE - 1:
+        real = result_arena.ResultArena.map_peers
+
+        def refuse(self, comm):
+            real(self, comm)  # the same collectives, then the failure
+            raise PermissionError("not allowed to open another rank's arena")
+        monkeypatch.setattr(result_arena.ResultArena, "map_peers", refuse)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("horolite.transport.result_arena")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)  # it says so at INFO: a slower path
+    instance = shm_mod.open_shared_memory(COMM, polite=True, report_after=60.0)
+    try:
+        assert instance is not None and instance.arena is None
+        x = np.full(5000, RANK + 1, dtype=np.int64)
+        out = np.empty_like(x)
+        instance.allreduce(x, out, ReduceOp.SUM, 1.0)
+        assert np.all(out == SIZE * (SIZE + 1) // 2)
+    finally:
+        logger.removeHandler(handler)
+        instance.close()
+    messages = [r.getMessage() for r in records]
+    want = "not allowed" if RANK == SIZE - 1 else "another rank could not share its results"
+    assert any(want in m for m in messages), messages
+
+
 def test_runtime_uses_it_when_all_ranks_share_the_host():
     import horolite as hvd
     from horolite import basics
     hvd.init()
     try:
-        assert (basics._runtime.transport.shared_memory is not None) == (SIZE > 1)
+        shared = basics._runtime.transport.shared_memory
+        assert (shared is not None) == (SIZE > 1)
         x = np.arange(300000, dtype=np.float32) + RANK
+        want = SIZE * np.arange(300000) + SIZE * (SIZE - 1) / 2
         y = hvd.allreduce(x, op=hvd.Sum, name="runtime.big")
-        np.testing.assert_allclose(y, SIZE * np.arange(300000) + SIZE * (SIZE - 1) / 2, rtol=1e-6)
+        np.testing.assert_allclose(y, want, rtol=1e-6)
+        if shared is not None:  # the pooled result is in the arena: written directly
+            own = np.frombuffer(shared.arena.maps[RANK], np.uint8)
+            assert np.shares_memory(y, own)
+        # Held results are never handed out again, even while the others write theirs.
+        z = hvd.allreduce(x * 2, op=hvd.Sum, name="runtime.big")
+        w = hvd.allreduce(x * 3, op=hvd.Sum, name="runtime.big")
+        np.testing.assert_allclose(y, want, rtol=1e-6)
+        np.testing.assert_allclose(z, 2 * want, rtol=1e-6)
+        np.testing.assert_allclose(w, 3 * want, rtol=1e-6)
     finally:
         hvd.shutdown()
