@@ -149,7 +149,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
         if (arenas != NULL && out >= arenas[r] &&
             (size_t)(out - arenas[r]) + count * itemsize <= arena_bytes)
             off = (int64_t)(out - arenas[r]);
-        headers[r][HL_SHM_OUT_OFFSET] = off;
+        __atomic_store_n(&headers[r][HL_SHM_OUT_OFFSET], off, __ATOMIC_RELAXED);
         state[1] = HL_SHM_UNDECIDED;
     }
     for (int64_t pos = state[0]; pos < nblocks * 3; pos++) {
@@ -184,7 +184,8 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
                 /* every rank has staged, so every rank has published: all decide alike */
                 int all = 1;
                 for (int q = 0; q < n; q++) {
-                    offsets[q] = headers[q][HL_SHM_OUT_OFFSET];
+                    offsets[q] = __atomic_load_n(&headers[q][HL_SHM_OUT_OFFSET],
+                                                 __ATOMIC_RELAXED);
                     all &= offsets[q] >= 0;
                 }
                 state[1] = all ? HL_SHM_DIRECT : HL_SHM_GATHER;
