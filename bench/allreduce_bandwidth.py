@@ -152,11 +152,11 @@ LIMITS = {
     "vs_mpi": "when run across hosts or with HOROLITE_SHARED_MEMORY=0: MPICH moves every ring "
               "message through its own shared-memory bounce buffer (two copies), so each ring "
               "step costs about as much as MPI_Allreduce's own reduction steps",
-    "bound": "synchronization and cache lines crossing cores: the result arena keeps the "
-             "traffic at about 3N bytes per rank (stage the half others reduce, reduce its own "
-             "half from cache into both ranks' results), the bound's too, but the ranks wait "
-             "on each other block by block and every staged block crosses cores (this VM also "
-             "shows steal time)",
+    "bound": "one core's copy speed: with results in the arena each rank reads its input once "
+             "and writes N of results with streaming stores (less traffic than the bound's "
+             "3N), but staging and reducing run on one core per rank at the 6-7 GB/s one core "
+             "copies from DRAM here, the arena has no huge pages on this VM (NumPy's arrays "
+             "do), and the ranks wait on each other block by block",
     "1mib": "the fixed cost of a background cycle (control allreduce, cache bits, two thread "
             "hand-offs) on top of the ring",
 }
