@@ -248,12 +248,11 @@ def orchestrate(args) -> None:
                + " by round); then the exchange's cost below. Ratio by round: "
                + ", ".join(f"{x:.2f}" for x in ratios)),
         Target(f"scaling efficiency ({n} ranks vs {n} x one process, 1 thread each)", efficiency,
-               0.9, "", True, "the baseline: one process alone ran 1690-2390 images/sec "
+               0.9, "", True, "the baseline: one process alone ran 1586-2390 images/sec "
                "from run to run on this VM, which alone moves the efficiency between 0.71 and "
                "0.94 (2 ranks without any exchange run as fast as one process); then each "
-               "step waiting for the slower rank, and the background thread waiting for the GIL "
-               "after MPI returns (ranks leave the control allreduce ~0.6 ms apart, 0.3 ms with "
-               "a 0.2 ms switch interval); by round: " + ", ".join(f"{x:.2f}" for x in effs) +
+               "step waiting for the slower rank (they reach the exchange 1.5-3.5 ms apart) "
+               "and leaving it ~0.2 ms apart (polling, the GIL); by round: " + ", ".join(f"{x:.2f}" for x in effs) +
                "; other processes used "
                f"{100 * common.other_busy_so_far():.0f}% of the cores during the run"),
     ]

@@ -51,7 +51,9 @@ class Waiter:
     @staticmethod
     def _poll(test) -> None:
         # Spin briefly (a neighbour that is running answers in microseconds), then
-        # yield, then sleep longer and longer so a descheduled neighbour gets the core.
+        # yield, then sleep longer and longer so a descheduled neighbour gets the core,
+        # but at most 100 us: the partner that arrives last would otherwise wait for
+        # this rank's sleep to end (500 us here made ranks leave ~0.5 ms apart).
         spins = 0
         pause = 1e-5
         while not test():
@@ -61,7 +63,7 @@ class Waiter:
                     time.sleep(0)
                 else:
                     time.sleep(pause)
-                    pause = min(pause * 1.5, 5e-4)
+                    pause = min(pause * 1.5, 1e-4)
 
 
 class PointToPoint:
