@@ -65,6 +65,15 @@ static void copy_streaming(char *dst, const char *src, size_t bytes)
 #endif
 }
 
+/* A result copy: streaming when the output is too large to be read back from cache. */
+static void copy_out(char *dst, const char *src, size_t bytes, int stream)
+{
+    if (stream)
+        copy_streaming(dst, src, bytes);
+    else
+        memcpy(dst, src, bytes);
+}
+
 static void streaming_done(void)
 {
 #if defined(__x86_64__)
@@ -205,13 +214,9 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
                                              dtype, op, postscale)) < 0)
                         return rc;
                     const char *from = slots[(r + 1) % n] + at;
-                    for (int q = 0; q < n; q++) {
-                        char *to = arenas[q] + offsets[q] + (lo + c) * itemsize;
-                        if (stream)
-                            copy_streaming(to, from, cl * itemsize);
-                        else
-                            memcpy(to, from, cl * itemsize);
-                    }
+                    for (int q = 0; q < n; q++)
+                        copy_out(arenas[q] + offsets[q] + (lo + c) * itemsize, from,
+                                 cl * itemsize, stream);
                 }
                 if (stream)
                     streaming_done();
@@ -224,12 +229,8 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
             }
             for (int q = 0; q < n; q++) {
                 size_t a = SEG(q), len = SEG(q + 1) - a;
-                char *to = out + (lo + a) * itemsize;
-                const char *from = slots[(q + 1) % n] + slot_off + a * itemsize;
-                if (stream)
-                    copy_streaming(to, from, len * itemsize);
-                else
-                    memcpy(to, from, len * itemsize);
+                copy_out(out + (lo + a) * itemsize,
+                         slots[(q + 1) % n] + slot_off + a * itemsize, len * itemsize, stream);
             }
             if (stream)
                 streaming_done();

@@ -10,6 +10,7 @@ and the slot reuse across calls are all exercised; one instance serves every
 test in order, so its progress counters run on across dtypes of different
 item sizes.
 """
+import contextlib
 import logging
 import time
 import zlib
@@ -50,6 +51,24 @@ def shm():
     yield instance
     if instance is not None:
         instance.close()
+
+
+@contextlib.contextmanager
+def logged(name, level=None):
+    """The messages logger `name` emits inside the block (level: let INFO through)."""
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(name)
+    old_level = logger.level
+    logger.addHandler(handler)
+    if level is not None:
+        logger.setLevel(level)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
 
 
 def output(shm, where, count, dtype):
@@ -135,11 +154,6 @@ def test_result_identical_on_every_rank(shm, where):
 @pytest.mark.parametrize("where", ["private", "arena"])
 def test_a_late_rank_is_reported_and_then_joins(where):
     late = SIZE - 1
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("horolite.transport.shared_memory")
-    logger.addHandler(handler)
     instance = shm_mod.open_shared_memory(COMM, polite=True, report_after=0.3,
                                           arena=where == "arena")
     try:
@@ -147,12 +161,11 @@ def test_a_late_rank_is_reported_and_then_joins(where):
         out = output(instance, where, x.size, x.dtype)
         if RANK == late:
             time.sleep(1.2)
-        instance.allreduce(x, out, ReduceOp.SUM, 1.0, what="tensor 'grad/late'")
+        with logged("horolite.transport.shared_memory") as messages:
+            instance.allreduce(x, out, ReduceOp.SUM, 1.0, what="tensor 'grad/late'")
         assert np.all(out == SIZE * (SIZE + 1) / 2)
     finally:
-        logger.removeHandler(handler)
         instance.close()
-    messages = [r.getMessage() for r in records]
     if RANK == late:
         assert messages == []
     else:
@@ -166,16 +179,9 @@ def test_no_window_falls_back_to_the_ring(monkeypatch):
     def refuse(self, *args):
         raise MPI.Exception(MPI.ERR_NO_MEM)
     monkeypatch.setattr(shm_mod.SharedMemoryAllreduce, "__init__", refuse)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("horolite.transport.shared_memory")
-    logger.addHandler(handler)
-    try:
+    with logged("horolite.transport.shared_memory") as messages:
         assert shm_mod.open_shared_memory(COMM, polite=True, report_after=1.0) is None
-    finally:
-        logger.removeHandler(handler)
-    assert any("uses the ring over MPI" in r.getMessage() for r in records)
+    assert any("uses the ring over MPI" in m for m in messages)
 
 
 @needs_ranks
@@ -188,13 +194,9 @@ def test_an_arena_refused_anywhere_is_used_nowhere(monkeypatch):
             real(self, comm)  # the same collectives, then the failure
             raise PermissionError("not allowed to open another rank's arena")
         monkeypatch.setattr(result_arena.ResultArena, "map_peers", refuse)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("horolite.transport.result_arena")
-    logger.addHandler(handler)
-    monkeypatch.setattr(logger, "level", logging.INFO)  # it says so at INFO: a slower path
-    instance = shm_mod.open_shared_memory(COMM, polite=True, report_after=60.0)
+    # It says so at INFO: a slower path, not a fault.
+    with logged("horolite.transport.result_arena", logging.INFO) as messages:
+        instance = shm_mod.open_shared_memory(COMM, polite=True, report_after=60.0)
     try:
         assert instance is not None and instance.arena is None
         x = np.full(5000, RANK + 1, dtype=np.int64)
@@ -202,9 +204,7 @@ def test_an_arena_refused_anywhere_is_used_nowhere(monkeypatch):
         instance.allreduce(x, out, ReduceOp.SUM, 1.0)
         assert np.all(out == SIZE * (SIZE + 1) // 2)
     finally:
-        logger.removeHandler(handler)
         instance.close()
-    messages = [r.getMessage() for r in records]
     want = "not allowed" if RANK == SIZE - 1 else "another rank could not share its results"
     assert any(want in m for m in messages), messages
 
