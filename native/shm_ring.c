@@ -133,6 +133,35 @@ static int reduce_segment(char *const *slots, int n, int r, size_t at, const cha
     return rc;
 }
 
+/* Shared mode, owner side: elements [at, at + len) of every rank's buffer (all in
+ * arenas, each its own input and output) reduced a chunk at a time in a private
+ * scratch buffer, then written back into every rank's buffer. Only the owner
+ * reads or writes these elements, so no rank waits on another in between. */
+static int reduce_shared(char *const *arenas, const int64_t *offsets, int n, int r,
+                         size_t at, size_t len, int dtype, size_t itemsize, int op,
+                         double postscale, int stream)
+{
+    char scratch[16384] __attribute__((aligned(64)));
+    const size_t chunk = sizeof scratch / itemsize;
+    for (size_t c = at; c < at + len; c += chunk) {
+        const size_t cl = (at + len - c < chunk) ? at + len - c : chunk;
+        const size_t byte = c * itemsize;
+        memcpy(scratch, arenas[r] + offsets[r] + byte, cl * itemsize);
+        for (int d = 1; d < n; d++) {
+            int q = (r + d) % n;
+            int rc = hl_reduce(scratch, arenas[q] + offsets[q] + byte, cl, dtype, op,
+                               d == n - 1 ? postscale : 1.0);
+            if (rc < 0)
+                return rc;
+        }
+        for (int q = 0; q < n; q++)
+            copy_out(arenas[q] + offsets[q] + byte, scratch, cl * itemsize, stream);
+    }
+    if (stream)
+        streaming_done();
+    return 0;
+}
+
 int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *arenas,
                      size_t arena_bytes, int n, int r, size_t slot_bytes, int nslots,
                      const void *src, void *dst, size_t count, int dtype, size_t itemsize,
@@ -159,6 +188,8 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
             (size_t)(out - arenas[r]) + count * itemsize <= arena_bytes)
             off = (int64_t)(out - arenas[r]);
         __atomic_store_n(&headers[r][HL_SHM_OUT_OFFSET], off, __ATOMIC_RELAXED);
+        __atomic_store_n(&headers[r][HL_SHM_IN_PLACE], (int64_t)(off >= 0 && in == out),
+                         __ATOMIC_RELAXED);
         state[1] = HL_SHM_UNDECIDED;
     }
     for (int64_t pos = state[0]; pos < nblocks * 3; pos++) {
@@ -168,10 +199,21 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
         const size_t m = (count - lo < per_block) ? count - lo : per_block;
         const size_t slot_off = (size_t)(kk % nslots) * slot_bytes;
         const int direct = state[1] == HL_SHM_DIRECT;
+        const int shared = state[1] == HL_SHM_SHARED;
         /* segment q of this block: elements [seg(q), seg(q + 1)) counted from lo */
 #define SEG(q) (m * (size_t)(q) / (size_t)n)
         int rc;
-        if (phase == 0) {
+        if (shared && k > 0) {
+            /* every rank's buffer was in place when it staged block 0: nothing to stage,
+             * nothing to wait for, and each owner reads the others' buffers directly */
+            if (phase == 1) {
+                size_t a = SEG(r), len = SEG(r + 1) - a;
+                if (len && (rc = reduce_shared(arenas, offsets, n, r, lo + a, len, dtype,
+                                               itemsize, op, postscale, stream)) < 0)
+                    return rc;
+                store_counter(&headers[r][HL_SHM_REDUCED], kk + 1);
+            }
+        } else if (phase == 0) {
             /* my slot held block kk - nslots: free once every rank is done with it,
              * which a direct block says by its owners' REDUCED, else by GATHERED */
             int word = (direct && kk - nslots >= epoch) ? HL_SHM_REDUCED : HL_SHM_GATHERED;
@@ -191,16 +233,22 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
             }
             if (state[1] == HL_SHM_UNDECIDED) {
                 /* every rank has staged, so every rank has published: all decide alike */
-                int all = 1;
+                int all = 1, in_place = 1;
                 for (int q = 0; q < n; q++) {
                     offsets[q] = __atomic_load_n(&headers[q][HL_SHM_OUT_OFFSET],
                                                  __ATOMIC_RELAXED);
                     all &= offsets[q] >= 0;
+                    in_place &= __atomic_load_n(&headers[q][HL_SHM_IN_PLACE],
+                                                __ATOMIC_RELAXED) != 0;
                 }
-                state[1] = all ? HL_SHM_DIRECT : HL_SHM_GATHER;
+                state[1] = !all ? HL_SHM_GATHER : in_place ? HL_SHM_SHARED : HL_SHM_DIRECT;
             }
             size_t a = SEG(r), len = SEG(r + 1) - a;
-            if (state[1] == HL_SHM_GATHER) {
+            if (state[1] == HL_SHM_SHARED) {
+                if (len && (rc = reduce_shared(arenas, offsets, n, r, lo + a, len, dtype,
+                                               itemsize, op, postscale, stream)) < 0)
+                    return rc;
+            } else if (state[1] == HL_SHM_GATHER) {
                 if (len && (rc = reduce_segment(slots, n, r, slot_off + a * itemsize,
                                                 in + (lo + a) * itemsize, len, dtype, op,
                                                 postscale)) < 0)
@@ -239,7 +287,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
 #undef SEG
     }
     state[0] = nblocks * 3;
-    if (state[1] == HL_SHM_DIRECT) {
+    if (state[1] == HL_SHM_DIRECT || state[1] == HL_SHM_SHARED) {
         /* my result is complete once every owner has written its last segment */
         if (wait_all(headers, n, HL_SHM_REDUCED, epoch + nblocks, deadline, polite))
             return 1;

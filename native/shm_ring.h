@@ -12,7 +12,10 @@
  * straight into every rank's output and there is no gather pass, so each
  * result byte crosses from one core to another once instead of twice. Every
  * rank publishes where its output is before it stages its first block, so
- * all ranks see the same offsets and choose the same way.
+ * all ranks see the same offsets and choose the same way. When moreover every
+ * rank reduces in place (src == dst, as a fused batch does), the call is
+ * "shared": after block 0 nobody stages at all, and the owner of a segment
+ * reads it from every rank's buffer directly.
  * Each rank touches its input and output once, and the staged block is still
  * in cache when it is reduced: the point of the block size.
  * Progress counters (one cache line each) are monotonic across calls, so a
@@ -24,19 +27,22 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Int64 words in a rank's header, each on its own 64-byte line: three progress
- * counters and the offset of the current call's output in the rank's arena. */
+/* Int64 words in a rank's header: three progress counters, each on its own
+ * 64-byte line, and on a fourth line the offset of the current call's output in
+ * the rank's arena and whether the call is in place. */
 #define HL_SHM_HEADER_WORDS 32
 #define HL_SHM_STAGED 0
 #define HL_SHM_REDUCED 8
 #define HL_SHM_GATHERED 16
 #define HL_SHM_OUT_OFFSET 24
+#define HL_SHM_IN_PLACE 25
 
 /* state[1] of a call: set to HL_SHM_UNPUBLISHED before the first try */
 #define HL_SHM_UNPUBLISHED (-2)
 #define HL_SHM_UNDECIDED (-1)
 #define HL_SHM_GATHER 0
 #define HL_SHM_DIRECT 1
+#define HL_SHM_SHARED 2
 
 /* dst = allreduce(src) over n ranks (dst may equal src). headers[q] and
  * slots[q] are rank q's header and first slot as mapped in this process;

@@ -97,9 +97,12 @@ class SharedMemoryAllreduce:
         self._epoch += self._blocks[0]
 
     @property
-    def wrote_directly(self) -> bool:
-        """Whether the last call wrote every rank's result directly (all were in arenas)."""
-        return self._state[1] == _lib.HL_SHM_DIRECT
+    def last_mode(self) -> str:
+        """How the last call ran (native/shm_ring.h): "gather" (some result private:
+        each rank copied out), "direct" (results in arenas, written by their owners) or
+        "shared" (also in place everywhere: nothing staged after the first block)."""
+        return {_lib.HL_SHM_GATHER: "gather", _lib.HL_SHM_DIRECT: "direct",
+                _lib.HL_SHM_SHARED: "shared"}[self._state[1]]
 
     def _behind(self):
         """Ranks whose progress is behind this rank's (the ones being waited for)."""

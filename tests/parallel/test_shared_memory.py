@@ -1,9 +1,11 @@
 """The shared-memory allreduce (transport/shared_memory.py, native/shm_ring.c)
 on a real shared window between real ranks, against NumPy references.
 
-Every result is checked both ways: into private memory (each rank copies the
-reduced blocks out) and into the result arena (transport/result_arena.py: the
-reducing rank writes every rank's result directly).
+Every result is checked three ways: into private memory (each rank copies the
+reduced blocks out: mode "gather"), into the result arena
+(transport/result_arena.py: the reducing rank writes every rank's result,
+"direct"), and in place in the arena (the reducing rank also reads every
+rank's buffer directly, "shared").
 
 Sizes straddle the slot size (one block per slot), so blocks, uneven segments
 and the slot reuse across calls are all exercised; one instance serves every
@@ -88,8 +90,11 @@ def test_open_only_with_peers_and_when_enabled(shm):
     assert shm_mod.open_shared_memory(COMM, polite=True, report_after=1.0, enabled=False) is None
 
 
+MODES = {"private": "gather", "arena": "direct", "arena-in-place": "shared"}
+
+
 @needs_ranks
-@pytest.mark.parametrize("where", ["private", "arena"])
+@pytest.mark.parametrize("where", list(MODES))
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_numpy(shm, dtype, op, where):
@@ -98,11 +103,15 @@ def test_matches_numpy(shm, dtype, op, where):
     for count in sizes(dtype):
         key = (dtype, op.name, count)
         inputs = [make(q, count, dtype, key, high) for q in range(SIZE)]
-        src = inputs[RANK].copy()
-        dst = output(shm, where, count, src.dtype)
+        dst = output(shm, where, count, inputs[RANK].dtype)
+        if where == "arena-in-place":
+            dst[:] = inputs[RANK]
+            src = dst
+        else:
+            src = inputs[RANK].copy()
         shm.allreduce(src, dst, op, postscale, what=f"tensor 't{count}'")
-        assert shm.wrote_directly == (where == "arena")
-        assert np.array_equal(src, inputs[RANK]), "the input was modified"
+        assert shm.last_mode == MODES[where]
+        assert src is dst or np.array_equal(src, inputs[RANK]), "the input was modified"
         want = reference(op, inputs, dtype)
         got = dst.astype(np.float64)
         if dtype in ("float16", "bfloat16"):
@@ -112,7 +121,7 @@ def test_matches_numpy(shm, dtype, op, where):
 
 
 @needs_ranks
-@pytest.mark.parametrize("where", ["private", "arena"])
+@pytest.mark.parametrize("where", ["private", "arena"])  # in the arena: "shared"
 def test_in_place_with_postscale(shm, where):
     count = 2 * (shm_mod.SLOT_BYTES // 4) + 7
     inputs = [make(q, count, "float32", "inplace", 100) for q in range(SIZE)]
@@ -123,18 +132,27 @@ def test_in_place_with_postscale(shm, where):
 
 
 @needs_ranks
-def test_one_private_result_makes_every_rank_copy_out(shm):
-    # Calls alternate between direct (all results in arenas) and copied out (one
-    # rank's result private), over more blocks than slots: each mode reuses slots
-    # the other one left, and every rank must choose the same mode each time.
+def test_every_rank_chooses_the_mode_the_least_able_rank_allows(shm):
+    # Calls switch between the three modes, over more blocks than slots: each mode
+    # reuses slots another one left, and every rank must choose the same mode each
+    # time: one private result makes all copy out, one rank not in place makes all
+    # direct. (odd: the rank whose result is private; even: the rank not in place)
     count = (shm_mod.SLOTS + 2) * (shm_mod.SLOT_BYTES // 8) + 5
-    for call, private_rank in enumerate([None, SIZE - 1, None, 0, 0, None]):
+    plan = [(None, None, "shared"), (SIZE - 1, None, "gather"), (None, None, "shared"),
+            (None, 0, "direct"), (0, 0, "gather"), (None, SIZE - 1, "direct"),
+            (None, None, "shared"), (None, 0, "direct"), (0, None, "gather")]
+    for call, (private_rank, copying_rank, mode) in enumerate(plan):
         inputs = [make(q, count, "float64", ("mixed", call), 50) for q in range(SIZE)]
         where = "private" if RANK == private_rank else "arena"
         dst = output(shm, where, count, np.float64)
-        shm.allreduce(inputs[RANK], dst, ReduceOp.SUM, 1.0, what=f"tensor 'mixed{call}'")
+        if RANK == copying_rank or RANK == private_rank:
+            src = inputs[RANK]
+        else:
+            dst[:] = inputs[RANK]
+            src = dst
+        shm.allreduce(src, dst, ReduceOp.SUM, 1.0, what=f"tensor 'mixed{call}'")
         np.testing.assert_array_equal(dst, np.sum(inputs, axis=0), err_msg=f"call {call}")
-        assert shm.wrote_directly == (private_rank is None)
+        assert shm.last_mode == mode, (call, shm.last_mode)
 
 
 @needs_ranks
