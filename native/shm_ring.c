@@ -65,6 +65,9 @@ static void copy_streaming(char *dst, const char *src, size_t bytes)
 #endif
 }
 
+/* Owners reduce and write results this many bytes at a time, while they are in L1. */
+#define CHUNK_BYTES 16384
+
 /* A result copy: streaming when the output is too large to be read back from cache. */
 static void copy_out(char *dst, const char *src, size_t bytes, int stream)
 {
@@ -141,7 +144,7 @@ static int reduce_shared(char *const *arenas, const int64_t *offsets, int n, int
                          size_t at, size_t len, int dtype, size_t itemsize, int op,
                          double postscale, int stream)
 {
-    char scratch[16384] __attribute__((aligned(64)));
+    char scratch[CHUNK_BYTES] __attribute__((aligned(64)));
     const size_t chunk = sizeof scratch / itemsize;
     for (size_t c = at; c < at + len; c += chunk) {
         const size_t cl = (at + len - c < chunk) ? at + len - c : chunk;
@@ -175,8 +178,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
     const double deadline = hl_now() + timeout_s;
     /* an output larger than this is not expected to be read back from cache */
     const int stream = count * itemsize >= ((size_t)8 << 20);
-    /* the owner writes results a chunk at a time, while the chunk is in L1 */
-    const size_t chunk = 16384 / itemsize;
+    const size_t chunk = CHUNK_BYTES / itemsize;
     int64_t *const offsets = state + 2;
     *blocks = nblocks;
 
