@@ -5,7 +5,11 @@ one TensorFlow thread (intra- and inter-op parallelism 1), measured in turn:
 1. one process alone (plain TensorFlow, no distribution): the scaling baseline;
 2. horolite: every rank of this job trains with hvd.DistributedGradientTape;
 3. tf.distribute.MultiWorkerMirroredStrategy: one worker per rank, started by
-   each rank as a child process, talking over loopback ports (TF_CONFIG).
+   each rank as a child process, talking over loopback ports (TF_CONFIG);
+4. one plain process per rank, all timed at once with no exchange at all: what
+   the machine itself allows that many processes (shared memory bandwidth,
+   caches, a VM's cores), so a missed efficiency splits into the machine's
+   part and the exchange's part.
 Scaling efficiency = images/sec of (2) / (ranks x images/sec of (1)).
 
     horolite-run -np 2 python bench/training_throughput.py
@@ -84,7 +88,12 @@ def run_single(args) -> dict:
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    seconds = timed_loop(step, args)
+    def wait_for_go():
+        # (4): tell the parent the warm-up is done, and start timing when every rank's is
+        print("READY", flush=True)
+        sys.stdin.readline()
+
+    seconds = timed_loop(step, args, barrier=wait_for_go if args.wait_for_go else None)
     return {"seconds": seconds, "images_per_sec": args.batch * args.steps / seconds,
             "parameters": int(sum(v.shape.num_elements() for v in model.trainable_variables))}
 
@@ -149,10 +158,10 @@ def run_mwms_worker(args) -> dict:
 
 # ---- orchestration (every rank of the horolite-run job) ----
 
-def _start_child(args, *extra) -> subprocess.Popen:
+def _start_child(args, *extra, stdin=None) -> subprocess.Popen:
     cmd = [sys.executable, HERE, "--batch", str(args.batch), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--image", str(args.image), *extra]
-    return subprocess.Popen(cmd, env=common.child_env({"PYTHONUNBUFFERED": "1"}),
+    return subprocess.Popen(cmd, env=common.child_env({"PYTHONUNBUFFERED": "1"}), stdin=stdin,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -173,13 +182,29 @@ def _child(args, *extra) -> dict:
     return _result(args, _start_child(args, *extra))
 
 
+def run_no_exchange(args, comm) -> dict:
+    """(4): one plain process per rank, their timed steps started together."""
+    proc = _start_child(args, "--worker", "single", "--wait-for-go", stdin=subprocess.PIPE)
+    if proc.stdout.readline().strip() != "READY":
+        _result(args, proc)  # it died before its timed steps: raises with its output
+    common.polite_barrier(comm)  # (a rank that raised above makes horolite-run stop the job)
+    proc.stdin.write("GO\n")
+    proc.stdin.flush()
+    mine = _result(args, proc)
+    workers = comm.allgather(mine)
+    seconds = max(w["seconds"] for w in workers)  # like horolite's: the slowest rank's time
+    n = comm.Get_size()
+    return {"seconds": seconds, "images_per_sec": n * args.batch * args.steps / seconds}
+
+
 def _say(comm, what: str) -> None:
     if comm.Get_rank() == 0:
         print(f"[training_throughput] {time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
 def _round(args, comm, k: int) -> dict:
-    """One process alone, then MultiWorkerMirroredStrategy, then horolite, back to back."""
+    """One process alone, one per rank without exchange, MultiWorkerMirroredStrategy, then
+    horolite, back to back."""
     n, rank = comm.Get_size(), comm.Get_rank()
     # 1. One process alone: rank 0 runs it while the others sleep (they must not spin).
     # (--tiny only checks that everything runs: the baseline then overlaps step 3.)
@@ -189,6 +214,10 @@ def _round(args, comm, k: int) -> dict:
     if not args.tiny:
         single = _result(args, single_proc) if rank == 0 else None
         common.polite_barrier(comm)
+
+    _say(comm, f"round {k + 1}: one plain process per rank, no exchange")
+    alone_together = run_no_exchange(args, comm)
+    common.polite_barrier(comm)
 
     # 3 before 2: MultiWorkerMirroredStrategy in child processes, started by every rank at once
     # (while horolite's thread is not running in this process).
@@ -208,7 +237,7 @@ def _round(args, comm, k: int) -> dict:
     # 2. horolite in this process, on every rank.
     horo = run_horolite(args, comm)
     common.polite_barrier(comm)
-    return {"single": single, "mwms": mwms, "horolite": horo}
+    return {"single": single, "no_exchange": alone_together, "mwms": mwms, "horolite": horo}
 
 
 def orchestrate(args) -> None:
@@ -222,10 +251,14 @@ def orchestrate(args) -> None:
         rounds.append(_round(args, comm, k))
     # Each ratio pairs numbers measured within one round (seconds apart); the table shows
     # the median round, by horolite's ratio to MWMS.
-    ratios = sorted(r["horolite"]["images_per_sec"] / r["mwms"]["images_per_sec"] for r in rounds)
-    effs = sorted(r["horolite"]["images_per_sec"] / (n * r["single"]["images_per_sec"])
-                  for r in rounds)
-    ratio, efficiency = ratios[len(ratios) // 2], effs[len(effs) // 2]
+    ratios = [r["horolite"]["images_per_sec"] / r["mwms"]["images_per_sec"] for r in rounds]
+    effs = [r["horolite"]["images_per_sec"] / (n * r["single"]["images_per_sec"]) for r in rounds]
+    ratio, efficiency = sorted(ratios)[len(ratios) // 2], sorted(effs)[len(effs) // 2]
+    # The efficiency's two factors, round by round: what the machine allows n processes
+    # that exchange nothing, and what horolite keeps of that.
+    machine = [r["no_exchange"]["images_per_sec"] / (n * r["single"]["images_per_sec"])
+               for r in rounds]
+    kept = [r["horolite"]["images_per_sec"] / r["no_exchange"]["images_per_sec"] for r in rounds]
     middle = sorted(rounds, key=lambda r: r["horolite"]["images_per_sec"] /
                     r["mwms"]["images_per_sec"])[len(rounds) // 2]
     single, horo, mwms = middle["single"], middle["horolite"], middle["mwms"]
@@ -237,6 +270,9 @@ def orchestrate(args) -> None:
          f"{horo['images_per_sec'] / single['images_per_sec']:.2f}"],
         ["MultiWorkerMirroredStrategy", str(n), f"{mwms['images_per_sec']:.1f}",
          f"{mwms['images_per_sec'] / single['images_per_sec']:.2f}"],
+        [f"{n} plain processes at once, no exchange", str(n),
+         f"{middle['no_exchange']['images_per_sec']:.1f}",
+         f"{middle['no_exchange']['images_per_sec'] / single['images_per_sec']:.2f}"],
     ]
     targets = [
         Target("images/sec, horolite / MultiWorkerMirroredStrategy", ratio, 1.3, "x", True,
@@ -248,19 +284,22 @@ def orchestrate(args) -> None:
                + " by round); then the exchange's cost below. Ratio by round: "
                + ", ".join(f"{x:.2f}" for x in ratios)),
         Target(f"scaling efficiency ({n} ranks vs {n} x one process, 1 thread each)", efficiency,
-               0.9, "", True, "the baseline: one process alone ran 1586-2390 images/sec "
-               "from run to run on this VM, which alone moves the efficiency between 0.71 and "
-               "0.94 (2 ranks without any exchange run as fast as one process); then each "
-               "step waiting for the slower rank (they reach the exchange 1.5-3.5 ms apart) "
-               "and leaving it ~0.2 ms apart (polling, the GIL); by round: " + ", ".join(f"{x:.2f}" for x in effs) +
+               0.9, "", True, f"the machine: {n} plain processes training at once with no "
+               "exchange ran at " + ", ".join(f"{x:.2f}" for x in machine) + f" of {n} x one "
+               "process by round; horolite kept " + ", ".join(f"{x:.2f}" for x in kept) +
+               " of their throughput (each step waits for the slower rank, then the exchange); "
+               "one process alone ran " + ", ".join(f"{r['single']['images_per_sec']:.0f}"
+                                                   for r in rounds) +
+               " images/sec by round; efficiency by round: " + ", ".join(f"{x:.2f}" for x in effs) +
                "; other processes used "
                f"{100 * common.other_busy_so_far():.0f}% of the cores during the run"),
     ]
 
     def plot(ax):
-        names = ["1 process", f"horolite x{n}", f"MWMS x{n}"]
-        vals = [single["images_per_sec"], horo["images_per_sec"], mwms["images_per_sec"]]
-        ax.bar(names, vals, color=["gray", "C0", "C1"])
+        names = ["1 process", f"horolite x{n}", f"MWMS x{n}", f"{n} processes,\nno exchange"]
+        vals = [single["images_per_sec"], horo["images_per_sec"], mwms["images_per_sec"],
+                middle["no_exchange"]["images_per_sec"]]
+        ax.bar(names, vals, color=["gray", "C0", "C1", "silver"])
         ax.axhline(n * single["images_per_sec"], color="k", ls="--", alpha=0.5,
                    label=f"perfect scaling ({n} x 1 process)")
         ax.set_ylabel("images/sec")
@@ -272,7 +311,9 @@ def orchestrate(args) -> None:
                    "warmup": args.warmup, "threads_per_process": 1, "single": single,
                    "horolite": horo, "mwms": mwms, "ratio_vs_mwms": ratio,
                    "scaling_efficiency": efficiency, "rounds": rounds,
-                   "ratios_vs_mwms_by_round": ratios, "efficiencies_by_round": effs},
+                   "ratios_vs_mwms_by_round": ratios, "efficiencies_by_round": effs,
+                   "no_exchange_vs_single_by_round": machine,
+                   "horolite_vs_no_exchange_by_round": kept},
                   columns, table, targets, plot)
 
 
@@ -282,12 +323,13 @@ def main(argv=None) -> None:
     p.add_argument("--image", type=int, default=32, help="image side in pixels")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=5,
                    help="repeat the three measurements; ratios are medians of per-round ratios")
     p.add_argument("--child-timeout", type=float, default=900)
     p.add_argument("--worker", choices=["single", "mwms"], help=argparse_hidden())
     p.add_argument("--index", type=int, default=0, help=argparse_hidden())
     p.add_argument("--ports", default="", help=argparse_hidden())
+    p.add_argument("--wait-for-go", action="store_true", help=argparse_hidden())
     args = p.parse_args(argv)
     if args.tiny:
         args.batch, args.image, args.steps, args.warmup = 8, 16, 3, 1

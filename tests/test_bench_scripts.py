@@ -70,6 +70,10 @@ def test_training_throughput(tmp_path):
     doc = run_bench("training_throughput", tmp_path, "--no-plot", timeout=420)
     for system in ("single", "horolite", "mwms"):
         assert doc[system]["images_per_sec"] > 0, system
+    # the machine's part of the efficiency: every rank's plain process, timed together
+    (round_,) = doc["rounds"]
+    assert round_["no_exchange"]["images_per_sec"] > 0
+    assert len(doc["no_exchange_vs_single_by_round"]) == len(doc["horolite_vs_no_exchange_by_round"]) == 1
     assert doc["scaling_efficiency"] > 0 and doc["ratio_vs_mwms"] > 0
     assert doc["plot"] is None
     assert {t["name"].split(",")[0] for t in doc["targets"]} >= {
