@@ -59,10 +59,16 @@ def _take(hid):
 
 
 def to_tf_error(exc: BaseException) -> Exception:
-    """The TensorFlow error for a runtime error: the message (naming the tensor) is kept.
+    """The TensorFlow error for a runtime error raised eagerly: the message (naming the
+    tensor) is kept.
 
     Ranks disagreeing, bad arguments and duplicate names become
-    FailedPreconditionError; a shutdown (or stall) becomes AbortedError.
+    FailedPreconditionError (as in Horovod); a shutdown (or stall) becomes AbortedError.
+    Inside graphs the ops leave the runtime's exception alone: TensorFlow turns an
+    error raised in a Python op into its own class by the Python type alone
+    (ValueError -> InvalidArgumentError, anything else -> UnknownError, an OpError
+    included), so the mismatch and argument errors, all ValueErrors, arrive there as
+    InvalidArgumentError and a shutdown as UnknownError, each with the message.
     """
     msg = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, ShutdownError):
@@ -71,6 +77,7 @@ def to_tf_error(exc: BaseException) -> Exception:
 
 
 def _guarded(fn: Callable) -> Callable:
+    """fn for an eager call, raising TensorFlow's error classes (see to_tf_error)."""
     def run(*args):
         try:
             return fn(*args)
@@ -111,14 +118,16 @@ def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor]):
     if _nccl_active():
         # GPU job: tf.py_function hands over the tensors where they live, and GPU
         # tensors go to the runtime through DLPack, so they travel over NCCL.
-        fn = _guarded(lambda *ts: _store(submit(*[_to_runtime(t) for t in ts])))
+        def fn(*ts):
+            return _store(submit(*[_to_runtime(t) for t in ts]))
         if tf.executing_eagerly():
-            return fn(*tensors)
+            return _guarded(fn)(*tensors)
         hid = tf.py_function(fn, list(tensors), tf.int64, name="HorolitEnqueue")
     else:
-        fn = _guarded(lambda *arrays: _store(submit(*[np.array(a, copy=True) for a in arrays])))
+        def fn(*arrays):
+            return _store(submit(*[np.array(a, copy=True) for a in arrays]))
         if tf.executing_eagerly():
-            return fn(*[t.numpy() for t in tensors])
+            return _guarded(fn)(*[t.numpy() for t in tensors])
         hid = tf.numpy_function(fn, list(tensors), tf.int64, stateful=True, name="HorolitEnqueue")
     hid.set_shape([])
     return hid
@@ -166,17 +175,15 @@ def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence) -> List[tf.Tensor]:
                 result = [result]
             return [_from_runtime(r, d) for r, d in zip(result, dtypes)]
 
-        gpu_fn = _guarded(fetch_tensors)
         if tf.executing_eagerly():
-            return gpu_fn(hid)
-        outs = tf.py_function(gpu_fn, [hid], list(dtypes), name="HorolitWait")
+            return _guarded(fetch_tensors)(hid)
+        outs = tf.py_function(fetch_tensors, [hid], list(dtypes), name="HorolitWait")
         for out, shape in zip(outs, shapes):
             out.set_shape(shape)
         return list(outs)
-    fn = _guarded(fetch)
     if tf.executing_eagerly():
-        return [tf.convert_to_tensor(r) for r in fn(hid)]
-    outs = tf.numpy_function(fn, [hid], list(dtypes), stateful=True, name="HorolitWait")
+        return [tf.convert_to_tensor(r) for r in _guarded(fetch)(hid)]
+    outs = tf.numpy_function(fetch, [hid], list(dtypes), stateful=True, name="HorolitWait")
     for out, shape in zip(outs, shapes):
         out.set_shape(shape)
     return list(outs)
@@ -438,9 +445,10 @@ def reducescatter(tensor, op=Average, name: Optional[str] = None) -> tf.Tensor:
 
 def join() -> tf.Tensor:
     """Wait for every rank to join; returns the last rank to join (an int32 tensor)."""
-    fn = _guarded(lambda: np.int32(_core.join()))
+    def fn():
+        return np.int32(_core.join())
     if tf.executing_eagerly():
-        return tf.constant(fn())
+        return tf.constant(_guarded(fn)())
     out = tf.numpy_function(fn, [], tf.int32, stateful=True, name="HorolitJoin")
     out.set_shape([])
     return out
@@ -454,7 +462,7 @@ def barrier():
         except HorovodInternalError as e:
             raise to_tf_error(e) from e
         return None
-    return tf.numpy_function(_guarded(lambda: (_core.barrier(), np.int32(0))[1]), [], tf.int32,
+    return tf.numpy_function(lambda: (_core.barrier(), np.int32(0))[1], [], tf.int32,
                              stateful=True, name="HorolitBarrier")
 
 

@@ -252,9 +252,10 @@ def test_mismatch_error_names_tensor(mode):
             hvd.allreduce(tf.constant(x), name="bad_tensor")
         assert "shape" in str(info.value)
     else:
-        # Inside graphs TensorFlow reports Python-op failures with its own
-        # class (UnknownError); the message still names the tensor and the difference.
-        with pytest.raises(tf.errors.OpError, match="bad_tensor"):
+        # Inside graphs TensorFlow picks the class by the Python type: a ValueError
+        # (all mismatch errors are) becomes InvalidArgumentError, never UnknownError.
+        with pytest.raises(tf.errors.InvalidArgumentError, match="bad_tensor") as info:
             run(mode, lambda t: hvd.allreduce(t, name="bad_tensor"), x)
+        assert "TensorMismatchError" in str(info.value) and "shape" in str(info.value)
     # The runtime survives a per-tensor error.
     np.testing.assert_allclose(hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy(), [N])
