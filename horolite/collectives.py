@@ -18,6 +18,7 @@ from . import device as _device
 from . import kernels
 from .basics import runtime
 from .errors import InvalidCollectiveError
+from .execution import OutputPool
 from .handle import Handle
 from .messages import JOIN_NAME, Kind, Request
 from .ops import MOVABLE_DTYPES, REDUCIBLE_DTYPES, Average, ReduceOp, dtype_name
@@ -131,9 +132,19 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
 
     Host arrays of one dtype are packed here into one buffer and travel as a
     single tensor (one negotiation, one cache entry); the results are views
-    into the reduced buffer. Mixed dtypes or device arrays go as separate
-    tensors submitted together, so they still fuse.
+    into the reduced buffer, each starting on a 64-byte boundary (TensorFlow
+    takes aligned NumPy results without a copy). Mixed dtypes or device arrays
+    go as separate tensors submitted together, so they still fuse.
     """
+    return _grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor)
+
+
+def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             borrowed: bool = False) -> Handle:
+    """borrowed: the arrays are another framework's memory, which may change once this
+    returns; packing copies them anyway, and only the members that go separately are
+    copied here (the TensorFlow bridge then need not copy every gradient first)."""
     base = name or _auto_name("grouped_allreduce")
     op = _reduce_op(op, base)
     arrays = list(arrays)
@@ -152,6 +163,8 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
         return _submit(Kind.ALLREDUCE, flat, base, transform=lambda out: _split(out, shapes),
                        op=int(op), prescale=float(prescale_factor),
                        postscale=float(postscale_factor), group=shapes)
+    if borrowed:
+        arrays = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in arrays]
     children = [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor)
                 for i, a in enumerate(arrays)]
     group = Handle(base)
@@ -177,6 +190,13 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
     return group
 
 
+# Packed groups: where each member starts, and the buffers packing reuses.
+_GROUP_ALIGN = 64  # bytes: TensorFlow copies a NumPy result that is not this aligned
+_group_buffers = OutputPool()  # (a fresh buffer of many MiB per step costs its page faults)
+_group_buffers_lock = threading.Lock()
+_zeros = {}  # dtype -> _GROUP_ALIGN zero bytes, the padding between members
+
+
 def _pack_host_group(arrays: list, base: str):
     """(one flat array, the shapes) for NumPy arrays of one reducible dtype, else None.
 
@@ -194,29 +214,49 @@ def _pack_host_group(arrays: list, base: str):
         raise InvalidCollectiveError(
             f"tensor '{base}.0': dtype {dname} is not supported by "
             f"{Kind.ALLREDUCE.label}; supported: {', '.join(REDUCIBLE_DTYPES)}")
-    flat = np.empty(sum(a.size for a in arrays), dtype=dtype)
+    shapes = tuple([a.shape for a in arrays])
+    total, gaps = _layout(shapes, dtype.itemsize)[1:]
+    with _group_buffers_lock:
+        flat = _group_buffers.empty((total,), dtype)
+    if gaps:
+        # the padding travels too, as zeros (reduced, it stays zero)
+        pad = _zeros.get(dtype)
+        if pad is None:
+            pad = _zeros[dtype] = np.zeros(_GROUP_ALIGN // dtype.itemsize, dtype)
+        parts = []
+        for a, gap in zip(arrays, gaps):
+            parts.append(a)
+            if gap:
+                parts.append(pad[:gap])
+    else:
+        parts = arrays
     try:
-        kernels.pack(flat.view(np.uint8), arrays)
+        kernels.pack(flat.view(np.uint8), parts)
     except ValueError:  # a non-contiguous member: copy those first
-        arrays = [a if a.flags.c_contiguous else a.copy(order="C") for a in arrays]
-        kernels.pack(flat.view(np.uint8), arrays)
-    return flat, tuple([a.shape for a in arrays])
+        parts = [a if a.flags.c_contiguous else a.copy(order="C") for a in parts]
+        kernels.pack(flat.view(np.uint8), parts)
+    return flat, shapes
 
 
 @lru_cache(maxsize=256)
-def _spans(shapes) -> tuple:
-    """Where each member of a group sits in the flat result (a step repeats its shapes)."""
-    out, offset = [], 0
-    for shape in shapes:
+def _layout(shapes, itemsize: int) -> tuple:
+    """(where each member sits in the flat buffer, its length in elements, the padding
+    after each member in elements); a step repeats its shapes."""
+    align = _GROUP_ALIGN // itemsize
+    spans, gaps, offset = [], [], 0
+    for k, shape in enumerate(shapes):
         n = math.prod(shape)
-        out.append((slice(offset, offset + n), None if len(shape) == 1 else shape))
+        spans.append((slice(offset, offset + n), None if len(shape) == 1 else shape))
         offset += n
-    return tuple(out)
+        gap = -offset % align if k + 1 < len(shapes) else 0
+        gaps.append(gap)
+        offset += gap
+    return tuple(spans), offset, tuple(gaps) if any(gaps) else ()
 
 
 def _split(flat: np.ndarray, shapes) -> List[np.ndarray]:
     return [flat[span] if shape is None else flat[span].reshape(shape)
-            for span, shape in _spans(shapes)]
+            for span, shape in _layout(shapes, flat.itemsize)[0]]
 
 
 def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import sys
 import time
 from functools import lru_cache
@@ -50,7 +51,9 @@ class OutputPool:
     only when nothing but the pool refers to it (a view or a buffer export
     holds a reference, so an array still in use is never reused).
     With a result arena (transport/result_arena.py) the arrays it keeps come
-    from there, so the shared-memory allreduce can write them directly.
+    from there, so the shared-memory allreduce can write them directly; else
+    they are page-aligned private arrays. (collectives.py keeps a second pool,
+    for the buffers grouped allreduces pack their members into.)
     """
     MIN_BYTES = 64 << 10
     PER_KEY = 2
@@ -73,11 +76,25 @@ class OutputPool:
         if len(kept) < self.PER_KEY and self._held + nbytes <= self.MAX_BYTES:
             a = self.arena.empty(shape, dtype) if self.arena is not None else None
             if a is None:
-                a = np.empty(shape, dtype=dtype)
+                a = _page_aligned_empty(shape, dtype, nbytes)
             kept.append(a)
             self._held += nbytes
             return a
-        return np.empty(shape, dtype=dtype)
+        return _page_aligned_empty(shape, dtype, nbytes)
+
+
+def _page_aligned_empty(shape, dtype, nbytes: int) -> np.ndarray:
+    """An array on pages of its own. np.empty's data sits 16 bytes past a 64-byte
+    boundary, and TensorFlow copies every NumPy result that is not 64-byte aligned.
+    Made directly on the mapping (not a view of another array), so views of it
+    count in its reference count, which the pool's reuse check reads."""
+    mm = mmap.mmap(-1, max(nbytes, 1))
+    if nbytes >= (2 << 20) and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)  # as NumPy does for its large arrays
+        except OSError:
+            pass
+    return np.ndarray(shape, dtype=dtype, buffer=mm)
 
 
 def _views(flat: np.ndarray, arrays) -> List[np.ndarray]:

@@ -19,7 +19,7 @@ from horolite.ops import ReduceOp
 
 from .compression import Compression
 from .functions import variable_name
-from .mpi_ops import _check_op, _enqueue, graph_unique_name, wait
+from .mpi_ops import _check_op, _enqueue, enqueue_grouped_allreduce, graph_unique_name, wait
 
 __all__ = ["GradientReducer", "LocalAggregator", "check_arguments"]
 
@@ -129,8 +129,7 @@ class GradientReducer:
                     hid = _enqueue(lambda a, nm=nm: _core.allreduce_async(a, op, nm, pre, post), tensors)
                 else:
                     nm = f"{base}.group.{labels[members[0]]}"
-                    hid = _enqueue(lambda *a, nm=nm: _core.grouped_allreduce_async(list(a), op, nm, pre, post),
-                                   tensors)
+                    hid = enqueue_grouped_allreduce(tensors, nm, op, pre, post)
 
                 def finish(hid):
                     results = wait(hid, [t.dtype for t in tensors], [t.shape for t in tensors])

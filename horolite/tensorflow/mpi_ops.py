@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 import horolite as _core
+from horolite.collectives import _grouped_allreduce_async
 from horolite.errors import HorovodInternalError, NotInitializedError, ShutdownError
 from horolite.ops import Average, ReduceOp
 
@@ -111,8 +112,11 @@ def _resolve_name(name: Optional[str], prefix: str, tensor) -> Optional[str]:
 
 # ---------------------------------------------------- the enqueue/wait ops ----
 
-def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor]):
-    """Run `submit(*arrays) -> Handle` as an op; returns the int64 handle id (a Python int eagerly)."""
+def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor], copy: bool = True):
+    """Run `submit(*arrays) -> Handle` as an op; returns the int64 handle id (a Python int eagerly).
+
+    copy=False only for a submit that copies what it keeps itself (a grouped
+    allreduce packs its members, see collectives._grouped_allreduce_async)."""
     # Copy: the runtime keeps the array after this op returns, and must never
     # hold (or be the last to release) memory that TensorFlow owns.
     if _nccl_active():
@@ -125,7 +129,7 @@ def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor]):
         hid = tf.py_function(fn, list(tensors), tf.int64, name="HorolitEnqueue")
     else:
         def fn(*arrays):
-            return _store(submit(*[np.array(a, copy=True) for a in arrays]))
+            return _store(submit(*([np.array(a, copy=True) for a in arrays] if copy else arrays)))
         if tf.executing_eagerly():
             return _guarded(fn)(*[t.numpy() for t in tensors])
         hid = tf.numpy_function(fn, list(tensors), tf.int64, stateful=True, name="HorolitEnqueue")
@@ -204,8 +208,9 @@ def enqueue_grouped_allreduce(tensors: Sequence[tf.Tensor], name: Optional[str],
                               prescale_factor: float = 1.0, postscale_factor: float = 1.0):
     """One enqueue op for a group: it runs once every tensor exists, and they fuse together."""
     op, pre, post = ReduceOp(op), float(prescale_factor), float(postscale_factor)
-    return _enqueue(lambda *a: _core.grouped_allreduce_async(list(a), op, name, pre, post),
-                    list(tensors))
+    # No copy of every tensor first: packing the group is the copy (borrowed=True).
+    return _enqueue(lambda *a: _grouped_allreduce_async(list(a), op, name, pre, post, borrowed=True),
+                    list(tensors), copy=False)
 
 
 # ----------------------------------------------------------- collectives ----

@@ -236,6 +236,28 @@ def test_grouped_allreduce_mixed_dtypes_and_repeat():
         np.testing.assert_allclose(b, np.full((1, 2), 2.0))
 
 
+def test_large_grouped_allreduce_members_aligned_and_buffers_reused_safely():
+    # Members of odd sizes (a bias of 10 floats, 3 bytes of int8...) are padded so every
+    # result starts on a 64-byte boundary (TensorFlow copies unaligned NumPy results);
+    # the padding must not leak into any result, and the packing buffers are reused
+    # (>= 64 KiB) only once nothing refers to them.
+    shapes = [(10,), (300, 129), (7,), (33, 3, 3), (40_001,)]
+    for dtype in ("float32", "float64", "int8", "float16"):
+        arrays = [make(RANK, s, dtype, ("big", dtype, i)) for i, s in enumerate(shapes)]
+        want = [reference(hvd.Sum, [make(r, s, dtype, ("big", dtype, i)) for r in range(SIZE)], dtype)
+                for i, s in enumerate(shapes)]
+        held = []
+        for step in range(3):  # the later steps reuse the packing and result buffers
+            got = hvd.grouped_allreduce(arrays, op=hvd.Sum, name=f"group.big.{dtype}")
+            assert [g.shape for g in got] == shapes
+            for g, w in zip(got, want):
+                assert g.ctypes.data % 64 == 0, (dtype, g.shape, g.ctypes.data % 64)
+                assert_close(g, w, dtype)
+            held.append(got[1])  # a view keeps its result buffer out of the pool
+        for h in held:
+            assert_close(h, want[1], dtype)
+
+
 def test_large_results_are_never_reused_while_anything_holds_them():
     # Results of >= 64 KiB come from a pool; one still referenced (even through a view) must
     # never be handed out again.

@@ -80,6 +80,26 @@ def test_grouped_allreduce(mode):
     np.testing.assert_allclose(out[1], sum(value(r, (2, 2)) for r in range(N)))
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_large_grouped_results_stay_intact_while_tensorflow_holds_them(mode):
+    # Grouped results are 64-byte aligned views of a pooled buffer, so TensorFlow may
+    # keep them without a copy; a buffer it still holds must never be reused.
+    shapes = [(10,), (300, 129), (7,), (40_001,)]
+
+    def reduce(*xs):
+        return hvd.grouped_allreduce(list(xs), op=hvd.Sum, name="tf.group.big")
+
+    fn = tf.function(reduce) if mode == "function" else reduce
+    kept = []
+    for step in range(4):
+        xs = [tf.constant(value(R, s) * (step + 1)) for s in shapes]
+        kept.append(fn(*xs))
+    for step, outs in enumerate(kept):
+        for s, out in zip(shapes, outs):
+            np.testing.assert_allclose(out.numpy(), sum(value(r, s) for r in range(N)) * (step + 1))
+            assert out.shape == s
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_allgather_uneven_and_bool(mode):
     x = value(R, (R + 1, 2))

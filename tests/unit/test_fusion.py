@@ -62,3 +62,16 @@ def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
     for _ in range(3):
         pool.empty((1 << 19,), f32)  # 2 MiB each, over the cap: never kept
     assert pool._held == 2 << 20
+
+
+def test_group_layout_pads_members_to_64_bytes():
+    from horolite.collectives import _layout
+    spans, total, gaps = _layout(((10,), (2, 3), (16,), (5,)), 4)
+    # float32: 16 elements per 64 bytes; no padding after the last member
+    assert [s.start for s, _ in spans] == [0, 16, 32, 48]
+    assert [s.stop - s.start for s, _ in spans] == [10, 6, 16, 5]
+    assert [shape for _, shape in spans] == [None, (2, 3), None, None]
+    assert gaps == (6, 10, 0, 0) and total == 53
+    # sizes that are already multiples of 64 bytes need no padding at all
+    assert _layout(((1024,), (1024,)), 4)[2] == ()
+    assert _layout(((3,), (5,)), 1)[0][1][0] == slice(64, 69)
