@@ -13,6 +13,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #if defined(__GNUC__) && !defined(__clang__)
 #define HL_ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -337,16 +340,62 @@ int hl_scale(void *dst, const void *src, size_t count, int dtype, double factor)
     return hl_impl()->scale[dtype](dst, src, count, factor);
 }
 
+/* ---- copies that bypass the cache ---------------------------------------- */
+
+void hl_copy_streaming(void *dst_, const void *src_, size_t bytes)
+{
+    char *dst = (char *)dst_;
+    const char *src = (const char *)src_;
+#if defined(__x86_64__)
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (bytes < 256 || head > bytes) {
+        memcpy(dst, src, bytes);
+        return;
+    }
+    memcpy(dst, src, head);
+    dst += head, src += head, bytes -= head;
+    size_t body = bytes & ~(size_t)63;
+    for (size_t i = 0; i < body; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + body, src + body, bytes - body);
+#else
+    memcpy(dst, src, bytes);
+#endif
+}
+
+void hl_streaming_done(void)
+{
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}
+
 int hl_pack(void *dst, const void *const *srcs, const size_t *nbytes, size_t n, int dtype,
             double factor)
 {
     unsigned char *out = (unsigned char *)dst;
-    size_t i;
+    size_t i, total = 0;
     if (factor == 1.0) {
+        for (i = 0; i < n; i++)
+            total += nbytes[i];
+        const int stream = total >= HL_STREAM_BYTES;
         for (i = 0; i < n; i++) {
-            if (nbytes[i]) memcpy(out, srcs[i], nbytes[i]);
+            if (nbytes[i] && stream)
+                hl_copy_streaming(out, srcs[i], nbytes[i]);
+            else if (nbytes[i])
+                memcpy(out, srcs[i], nbytes[i]);
             out += nbytes[i];
         }
+        if (stream)
+            hl_streaming_done();
         return 0;
     }
     int rc = hl_check_dtype_scale(dtype, factor);

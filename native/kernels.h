@@ -46,6 +46,15 @@ int hl_scale(void *dst, const void *src, size_t count, int dtype, double factor)
  * copying. */
 int hl_pack(void *dst, const void *const *srcs, const size_t *nbytes, size_t n, int dtype, double factor);
 
+/* A copy with non-temporal stores where the CPU has them (else memcpy), for
+ * outputs too large to be read back from cache: it skips the read-for-ownership
+ * of every output line, a third of the traffic. Call hl_streaming_done before
+ * another thread or process may read the output. hl_pack streams from
+ * HL_STREAM_BYTES in all. (Shared by the C files; not part of the Python API.) */
+#define HL_STREAM_BYTES ((size_t)8 << 20)
+void hl_copy_streaming(void *dst, const void *src, size_t bytes);
+void hl_streaming_done(void);
+
 /* Copy consecutive nbytes[i] bytes of src into dsts[i]. */
 int hl_unpack(void *const *dsts, const void *src, const size_t *nbytes, size_t n);
 

@@ -35,36 +35,6 @@ static double hl_now(void)
 #define HL_RELAX() ((void)0)
 #endif
 
-/* memcpy with non-temporal stores where the CPU has them: the gather writes the
- * output once and does not read it back, so skipping the read-for-ownership of
- * every output line saves a third of its memory traffic. */
-static void copy_streaming(char *dst, const char *src, size_t bytes)
-{
-#if defined(__x86_64__)
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (bytes < 256 || head > bytes) {
-        memcpy(dst, src, bytes);
-        return;
-    }
-    memcpy(dst, src, head);
-    dst += head, src += head, bytes -= head;
-    size_t body = bytes & ~(size_t)63;
-    for (size_t i = 0; i < body; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
-    }
-    memcpy(dst + body, src + body, bytes - body);
-#else
-    memcpy(dst, src, bytes);
-#endif
-}
-
 /* Owners reduce and write results this many bytes at a time, while they are in L1. */
 #define CHUNK_BYTES 16384
 
@@ -72,17 +42,13 @@ static void copy_streaming(char *dst, const char *src, size_t bytes)
 static void copy_out(char *dst, const char *src, size_t bytes, int stream)
 {
     if (stream)
-        copy_streaming(dst, src, bytes);
+        hl_copy_streaming(dst, src, bytes);
     else
         memcpy(dst, src, bytes);
 }
 
-static void streaming_done(void)
-{
-#if defined(__x86_64__)
-    _mm_sfence(); /* streaming stores are weakly ordered: fence before publishing */
-#endif
-}
+/* streaming stores are weakly ordered: fence before publishing */
+#define streaming_done() hl_streaming_done()
 
 static int64_t load_counter(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static void store_counter(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
@@ -177,7 +143,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
     char *out = (char *)dst;
     const double deadline = hl_now() + timeout_s;
     /* an output larger than this is not expected to be read back from cache */
-    const int stream = count * itemsize >= ((size_t)8 << 20);
+    const int stream = count * itemsize >= HL_STREAM_BYTES;
     const size_t chunk = CHUNK_BYTES / itemsize;
     int64_t *const offsets = state + 2;
     *blocks = nblocks;

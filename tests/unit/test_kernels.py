@@ -277,6 +277,21 @@ def test_pack_scales_while_copying(level, dtype, factor):
         assert_same(got.reshape(-1), w)
 
 
+def test_pack_past_the_streaming_size_is_exact_at_every_offset():
+    # From 8 MiB in all, packing writes with non-temporal stores: members of odd sizes
+    # land at every alignment (heads and tails copied plainly), nothing past the end.
+    rng = np.random.default_rng(5)
+    sizes = [3, 255, 256, 257, 4 << 20, 1, 63, 65, (4 << 20) + 13, 0, 1000]
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    total = sum(sizes)
+    assert total >= 8 << 20
+    for shift in (0, 1, 8, 15):
+        buf = np.full(total + shift + 64, 0xEE, dtype=np.uint8)
+        assert kernels.pack(buf[shift:], arrays) == total
+        np.testing.assert_array_equal(buf[shift:shift + total], np.concatenate(arrays))
+        assert (buf[:shift] == 0xEE).all() and (buf[shift + total:] == 0xEE).all()
+
+
 def test_pack_nothing():
     buf = np.zeros(4, np.uint8)
     assert kernels.pack(buf, []) == 0
