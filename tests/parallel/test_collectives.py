@@ -258,6 +258,24 @@ def test_large_grouped_allreduce_members_aligned_and_buffers_reused_safely():
             assert_close(h, want[1], dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16"])
+def test_grouped_allreduce_of_flat_members_with_padding_and_a_strided_one(dtype):
+    # All members 1-d (packed by NumPy's concatenate), odd sizes (padding in between),
+    # one of them a strided view; small and pooled totals.
+    for n_big in (5, 70_000):
+        base = make(RANK, (2 * n_big,), dtype, ("flat", dtype, n_big, "s"))
+        arrays = [make(RANK, (n,), dtype, ("flat", dtype, n_big, i)) for i, n in
+                  enumerate([10, 1, 33])] + [base[::2], make(RANK, (n_big,), dtype, ("flat", dtype, n_big, 9))]
+        got = hvd.grouped_allreduce(arrays, op=hvd.Sum, name=f"group.flat.{dtype}.{n_big}")
+        for i, n in enumerate([10, 1, 33]):
+            assert_close(got[i], reference(hvd.Sum, [make(r, (n,), dtype, ("flat", dtype, n_big, i))
+                                                     for r in range(SIZE)], dtype), dtype)
+        assert_close(got[3], reference(hvd.Sum, [make(r, (2 * n_big,), dtype, ("flat", dtype, n_big, "s"))[::2]
+                                                 for r in range(SIZE)], dtype), dtype)
+        assert_close(got[4], reference(hvd.Sum, [make(r, (n_big,), dtype, ("flat", dtype, n_big, 9))
+                                                 for r in range(SIZE)], dtype), dtype)
+
+
 def test_large_results_are_never_reused_while_anything_holds_them():
     # Results of >= 64 KiB come from a pool; one still referenced (even through a view) must
     # never be handed out again.
