@@ -47,9 +47,6 @@ static void copy_out(char *dst, const char *src, size_t bytes, int stream)
         memcpy(dst, src, bytes);
 }
 
-/* streaming stores are weakly ordered: fence before publishing */
-#define streaming_done() hl_streaming_done()
-
 static int64_t load_counter(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static void store_counter(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
@@ -127,7 +124,7 @@ static int reduce_shared(char *const *arenas, const int64_t *offsets, int n, int
             copy_out(arenas[q] + offsets[q] + byte, scratch, cl * itemsize, stream);
     }
     if (stream)
-        streaming_done();
+        hl_streaming_done(); /* streaming stores are weakly ordered */
     return 0;
 }
 
@@ -235,7 +232,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
                                  cl * itemsize, stream);
                 }
                 if (stream)
-                    streaming_done();
+                    hl_streaming_done(); /* streaming stores are weakly ordered */
             }
             store_counter(&headers[r][HL_SHM_REDUCED], kk + 1);
         } else if (state[1] == HL_SHM_GATHER) {
@@ -249,7 +246,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
                          slots[(q + 1) % n] + slot_off + a * itemsize, len * itemsize, stream);
             }
             if (stream)
-                streaming_done();
+                hl_streaming_done(); /* streaming stores are weakly ordered */
             store_counter(&headers[r][HL_SHM_GATHERED], kk + 1);
         }
 #undef SEG

@@ -208,9 +208,12 @@ def enqueue_grouped_allreduce(tensors: Sequence[tf.Tensor], name: Optional[str],
                               prescale_factor: float = 1.0, postscale_factor: float = 1.0):
     """One enqueue op for a group: it runs once every tensor exists, and they fuse together."""
     op, pre, post = ReduceOp(op), float(prescale_factor), float(postscale_factor)
-    # No copy of every tensor first: packing the group is the copy (borrowed=True).
-    return _enqueue(lambda *a: _grouped_allreduce_async(list(a), op, name, pre, post, borrowed=True),
-                    list(tensors), copy=False)
+    # Host path: no copy of every tensor first, packing the group is the copy
+    # (borrowed). The GPU path's _to_runtime copies every tensor already.
+    borrowed = not _nccl_active()
+    return _enqueue(lambda *a: _grouped_allreduce_async(list(a), op, name, pre, post,
+                                                        borrowed=borrowed),
+                    list(tensors), copy=not borrowed)
 
 
 # ----------------------------------------------------------- collectives ----
