@@ -324,7 +324,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5,
-                   help="repeat the three measurements; ratios are medians of per-round ratios")
+                   help="repeat the four measurements; ratios are medians of per-round ratios")
     p.add_argument("--child-timeout", type=float, default=900)
     p.add_argument("--worker", choices=["single", "mwms"], help=argparse_hidden())
     p.add_argument("--index", type=int, default=0, help=argparse_hidden())
