@@ -9,7 +9,7 @@ Layout: [flags, fusion threshold, cycle time in us, ready slots..., invalid slot
 """
 from __future__ import annotations
 
-from typing import Iterable, List, NamedTuple, Optional, Tuple
+from typing import Collection, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -37,9 +37,10 @@ class ControlVector:
         self.words = (cache_capacity + 63) // 64
         self.send = np.zeros(_HEADER + 2 * self.words, dtype=np.uint64)
         self.received = np.zeros_like(self.send)
+        self._bits = np.empty(64 * self.words, dtype=bool)  # one per slot, scratch for encode
 
     def encode(self, flags: int, setting: Optional[Tuple[int, float]],
-               ready: Iterable[int], invalid: Iterable[int]) -> np.ndarray:
+               ready: Collection[int], invalid: Collection[int]) -> np.ndarray:
         """This rank's vector; `setting` (fusion bytes, cycle ms) only on rank 0."""
         vec = self.send
         vec[:] = 0
@@ -48,15 +49,17 @@ class ControlVector:
             vec[1] = setting[0]
             vec[2] = int(round(setting[1] * 1000))
         if self.words:
-            # Bits are set in Python ints, then stored once: numpy scalar ops per slot cost more.
-            words = [_ALL_ONES] * self.words
-            for slot in ready:
-                words[slot >> 6] &= ~(1 << (slot & 63))
-            vec[_HEADER:_HEADER + self.words] = words
-            words = [0] * self.words
-            for slot in invalid:
-                words[slot >> 6] |= 1 << (slot & 63)
-            vec[_HEADER + self.words:] = words
+            # One NumPy scatter per set, not a Python step per slot: a step of many
+            # small gradients has hundreds of slots ready.
+            bits = self._bits
+            bits[:] = True
+            if ready:
+                bits[_slots(ready)] = False
+            vec[_HEADER:_HEADER + self.words] = _pack(bits)
+            if invalid:
+                bits[:] = False
+                bits[_slots(invalid)] = True
+                vec[_HEADER + self.words:] = _pack(bits)
         return vec
 
     def decode(self, out: Optional[np.ndarray] = None) -> Decoded:
@@ -68,12 +71,18 @@ class ControlVector:
                        _bits(out[_HEADER + w:]) if w else [])
 
 
+def _slots(slots) -> np.ndarray:
+    return np.fromiter(slots, dtype=np.intp, count=len(slots))
+
+
+def _pack(bits: np.ndarray) -> np.ndarray:
+    """Booleans, slot s at index s, as uint64 words with slot s at bit s % 64 of word s // 64."""
+    return np.packbits(bits, bitorder="little").view("<u8")
+
+
 def _bits(words: np.ndarray) -> List[int]:
     """Indices of the set bits of a uint64 array, ascending."""
-    out = []
-    for w, word in enumerate(words.tolist()):
-        while word:
-            low = word & -word
-            out.append(w * 64 + low.bit_length() - 1)
-            word ^= low
-    return out
+    if not words.any():
+        return []
+    return np.flatnonzero(np.unpackbits(words.astype("<u8", copy=False).view(np.uint8),
+                                        bitorder="little")).tolist()

@@ -18,6 +18,7 @@ import numpy as np
 from . import kernels
 from .errors import HorovodInternalError, InvalidCollectiveError, TensorMismatchError
 from .fusion import plan_spans
+from .handle import Handle
 from .messages import Kind, Response
 from .ops import ReduceOp, dtype_from_name
 from .ring import row_bounds
@@ -97,15 +98,39 @@ def _page_aligned_empty(shape, dtype, nbytes: int) -> np.ndarray:
     return np.ndarray(shape, dtype=dtype, buffer=mm)
 
 
-def _views(flat: np.ndarray, arrays) -> List[np.ndarray]:
-    """Consecutive pieces of `flat` shaped like `arrays`."""
-    out, offset = [], 0
-    for a in arrays:
-        n = a.size
-        piece = flat[offset:offset + n]
-        out.append(piece if a.ndim == 1 else piece.reshape(a.shape))
-        offset += n
-    return out
+class _FusedLayout:
+    """Where each tensor of a fused allreduce sits in the fusion buffer. Made once per
+    batch of cached responses, which recur as the same objects every step."""
+    __slots__ = ("size", "names", "one_dim", "_rows", "_pieces")
+
+    def __init__(self, batch: Sequence[Response]):
+        shapes = [tuple(r.shape) for r in batch]
+        counts = [math.prod(shape) for shape in shapes]
+        self.size = sum(counts)
+        self.names = [r.name for r in batch]
+        self.one_dim = all(len(shape) == 1 for shape in shapes)
+        self._rows = self._pieces = None
+        if len(set(shapes)) == 1 and shapes[0]:
+            self._rows = (len(shapes),) + shapes[0]  # one reshape; its rows are the results
+        else:
+            pieces, offset = [], 0
+            for shape, n in zip(shapes, counts):
+                pieces.append((slice(offset, offset + n), None if len(shape) == 1 else shape))
+                offset += n
+            self._pieces = pieces
+
+    def pack(self, flat: np.ndarray, inputs: List[np.ndarray], factor: float) -> None:
+        if self.one_dim and factor == 1.0:
+            np.concatenate(inputs, out=flat)  # NumPy's loop needs no pointer per tensor
+        else:
+            kernels.pack(flat.view(np.uint8), inputs, factor)
+
+    def views(self, flat: np.ndarray) -> List[np.ndarray]:
+        """Each tensor's piece of the reduced buffer, shaped like the tensor."""
+        if self._rows is not None:
+            return list(flat.reshape(self._rows))
+        return [flat[piece] if shape is None else flat[piece].reshape(shape)
+                for piece, shape in self._pieces]
 
 
 def _error_for(resp: Response) -> HorovodInternalError:
@@ -135,7 +160,7 @@ class Executor:
     def run(self, responses: Sequence[Response], entries: Sequence[Optional[Entry]]) -> int:
         """Execute the responses in order; returns the bytes allreduced (autotune's measure)."""
         reduced = 0
-        for lo, hi in self._plan(responses):
+        for lo, hi, layout in self._plan(responses):
             batch, batch_entries = responses[lo:hi], entries[lo:hi]
             first = batch[0]
             try:
@@ -144,7 +169,7 @@ class Executor:
                 elif first.device != "cpu":
                     self._run_device(batch, batch_entries)
                 elif first.kind == Kind.ALLREDUCE:
-                    reduced += self._allreduce(batch, batch_entries)
+                    reduced += self._allreduce(batch, batch_entries, layout)
                 elif first.kind == Kind.ALLGATHER:
                     self._allgather(first, batch_entries[0])
                 elif first.kind == Kind.BROADCAST:
@@ -165,18 +190,24 @@ class Executor:
         return reduced
 
     def _plan(self, responses: Sequence[Response]):
-        """plan_spans, remembered for the last few response lists: cached responses come
+        """[(start, stop, layout)]: plan_spans, with the layout of each fused host
+        allreduce, remembered for the last few response lists: cached responses come
         back as the same objects every step, and planning costs per tensor."""
         key = (self.fusion_threshold, tuple(map(id, responses)))
         hit = self._plans.get(key)
         current = tuple(responses)
         if hit is not None and hit[0] == current:  # identical objects: same plan
             return hit[1]
-        spans = plan_spans(current, _nbytes, self.fusion_threshold)
+        plan = []
+        for lo, hi in plan_spans(current, _nbytes, self.fusion_threshold):
+            first = current[lo]
+            fused = (hi - lo > 1 and first.kind == Kind.ALLREDUCE and first.error is None
+                     and first.device == "cpu")
+            plan.append((lo, hi, _FusedLayout(current[lo:hi]) if fused else None))
         if len(self._plans) >= 8:
             self._plans.pop(next(iter(self._plans)))
-        self._plans[key] = (current, spans)
-        return spans
+        self._plans[key] = (current, plan)
+        return plan
 
     def _run_device(self, batch: List[Response], entries: List[Optional[Entry]]) -> None:
         """Tensors in GPU memory go to the NCCL side (device_execution.py)."""
@@ -214,28 +245,34 @@ class Executor:
         return np.zeros(resp.shape, dtype=_dtype(resp.dtype))
 
     # ---- collectives ----
-    def _allreduce(self, batch: List[Response], entries: List[Optional[Entry]]) -> int:
+    def _allreduce(self, batch: List[Response], entries: List[Optional[Entry]],
+                   layout: Optional[_FusedLayout] = None) -> int:
         """Returns the bytes reduced."""
         first = batch[0]
         op = ReduceOp(first.op)
         postscale = first.total_postscale(self.size)
         names = [r.name for r in batch] if self.timeline.enabled else []
-        inputs = [self._input(r, e) for r, e in zip(batch, entries)]
+        inputs = [e.array if e is not None else self._input(r, e) for r, e in zip(batch, entries)]
         start = self._queue_spans(batch, entries)
         if len(batch) > 1:
             # One result array for the batch, reduced in place; each tensor's result is a
             # view of it (from the pool: reused once every view is gone).
-            flat = self.outputs.empty((sum(a.size for a in inputs),), inputs[0].dtype)
-            kernels.pack(flat.view(np.uint8), inputs, first.prescale)
+            layout = layout or _FusedLayout(batch)
+            flat = self.outputs.empty((layout.size,), inputs[0].dtype)
+            layout.pack(flat, inputs, first.prescale)
             t1 = time.monotonic()
             self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
             self.transport.allreduce(flat, op, postscale,
                                      f"tensor '{first.name}' and {len(batch) - 1} more fused with it")
             self._span(names, "ALLREDUCE", t1, time.monotonic())
-            self.queue.finish_all([r.name for r, e in zip(batch, entries) if e is not None])
-            for entry, out in zip(entries, _views(flat, inputs)):
-                if entry is not None:
-                    entry.handle._set_result(out)
+            if not first.joined:
+                self.queue.finish_all(layout.names)
+                Handle.set_results([e.handle for e in entries], layout.views(flat))
+            else:  # this rank's zeros stand in for tensors it does not have: nobody waits
+                done = [(r.name, e.handle, v) for r, e, v in zip(batch, entries, layout.views(flat))
+                        if e is not None]
+                self.queue.finish_all([name for name, _, _ in done])
+                Handle.set_results([h for _, h, _ in done], [v for _, _, v in done])
             return flat.nbytes
         outputs = [self.outputs.empty(inputs[0].shape, inputs[0].dtype)]
         if first.prescale == 1.0:

@@ -6,8 +6,9 @@ and one bitwise allreduce of "slots I have ready" finds what is ready on all.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
+
+import numpy as np
 
 from .messages import Kind, Request, Response
 
@@ -21,9 +22,13 @@ _CACHEABLE = {Kind.ALLREDUCE, Kind.ALLGATHER, Kind.BROADCAST, Kind.ALLTOALL, Kin
 class ResponseCache:
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._slots: List[Optional[Tuple[tuple, Response]]] = [None] * capacity
+        self._responses: List[Optional[Response]] = [None] * capacity
         self._by_name: Dict[str, Tuple[int, tuple]] = {}  # name -> (slot, request signature)
-        self._recency: "OrderedDict[int, None]" = OrderedDict()  # least recent first
+        # When each slot was last put or used (-1: free). A cycle touches hundreds of
+        # slots at once, so recency is one NumPy store per cycle; eviction (rare)
+        # takes the least recent, the lowest slot on a tie, the same on every rank.
+        self._last_used = np.full(capacity, -1, dtype=np.int64)
+        self._clock = 0
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -37,7 +42,12 @@ class ResponseCache:
         return (HIT, slot) if signature == request.signature() else (INVALID, slot)
 
     def response(self, slot: int) -> Response:
-        return self._slots[slot][1]
+        return self._responses[slot]
+
+    def responses(self, slots: List[int]) -> List[Response]:
+        """response() of each slot, and all of them marked used now."""
+        self.touch(slots)
+        return list(map(self._responses.__getitem__, slots))
 
     def cacheable(self, response: Response) -> bool:
         return (self.capacity > 0 and response.error is None and response.kind in _CACHEABLE
@@ -50,25 +60,25 @@ class ResponseCache:
         slot = found[0] if found is not None else None
         if slot is None:
             if len(self._by_name) < self.capacity:
-                slot = self._slots.index(None)
+                slot = self._responses.index(None)
             else:
-                slot = next(iter(self._recency))
+                slot = int(np.argmin(self._last_used))
                 evicted = slot
                 self.erase(slot)
         signature = request.signature()
-        self._slots[slot] = (signature, response)
+        self._responses[slot] = response
         self._by_name[request.name] = (slot, signature)
-        self._recency[slot] = None
-        self._recency.move_to_end(slot)
+        self.touch([slot])
         return evicted
 
-    def touch(self, slot: int) -> None:
-        self._recency.move_to_end(slot)
+    def touch(self, slots: List[int]) -> None:
+        self._clock += 1
+        self._last_used[slots] = self._clock
 
     def erase(self, slot: int) -> None:
-        entry = self._slots[slot]
-        if entry is None:
+        response = self._responses[slot]
+        if response is None:
             return
-        del self._by_name[entry[1].name]
-        self._slots[slot] = None
-        self._recency.pop(slot, None)
+        del self._by_name[response.name]
+        self._responses[slot] = None
+        self._last_used[slot] = -1

@@ -229,27 +229,26 @@ class Runtime:
                                              "rank) before this collective completed"))
             return False
 
-        responses: List[Response] = []
-        entries: List[Optional[Entry]] = []
         for slot in invalid_slots:
             entry = self._waiting.pop(slot, None)
             if entry is not None:
                 self._unsent.append(entry)
             self.cache.erase(slot)
-        # Per tensor, every step: kept lean (names bound once, timeline only when on).
-        cached_response, touch, waiting = self.cache.response, self.cache.touch, self._waiting
-        timeline = self.timeline if self.timeline.enabled else None
-        for slot in ready_slots:
-            if slot in invalid_slots:
-                continue
-            cached = cached_response(slot)
-            entry = waiting.pop(slot)
-            entry.responded = now
-            if timeline is not None:
-                timeline.span(cached.name, "NEGOTIATE", entry.submitted, now, {"cached": True})
-            touch(slot)
-            responses.append(cached)
-            entries.append(entry)
+        if ready_slots:
+            # Per tensor, every step: whole-list operations, no Python step per slot
+            # unless the timeline is on.
+            if invalid_slots:
+                dropped = set(invalid_slots)
+                ready_slots = [slot for slot in ready_slots if slot not in dropped]
+            responses = self.cache.responses(ready_slots)
+            entries = list(map(self._waiting.pop, ready_slots))
+            if self.timeline.enabled:
+                for resp, entry in zip(responses, entries):
+                    entry.responded = now
+                    self.timeline.span(resp.name, "NEGOTIATE", entry.submitted, now,
+                                       {"cached": True})
+        else:
+            responses, entries = [], []
 
         if global_flags & JOINED:
             # A joined rank sets no cache bits: everything goes through rank 0 until all join.

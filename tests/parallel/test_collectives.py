@@ -310,3 +310,54 @@ def test_fused_results_stay_valid_while_any_is_held():
     for k, results in zip((2, 3, 4), later):
         for i, r in enumerate(results):
             assert (r == total * k * (i + 1)).all(), (k, i)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "float16", "bfloat16"])
+def test_fused_async_step_of_mixed_shapes_repeated(dtype):
+    # One step of async allreduces that fuse into one batch: shapes of every kind
+    # (scalar, empty, flat, 2-d, 3-d), repeated so later steps come from the response
+    # cache; with and without a prescale factor (two ways of packing); every step's
+    # results held to the end (they are views of pooled buffers).
+    shapes = [(), (0,), (7,), (3, 5), (2, 2, 3), (1,), (1031,), (3, 5)]
+    held = []
+    for step in range(4):
+        pre = 2.0 if step % 2 else 1.0
+        arrays = [make(RANK, s, dtype, ("mixed", dtype, step, i)) for i, s in enumerate(shapes)]
+        handles = [hvd.allreduce_async(a, op=hvd.Sum, name=f"mixed.{dtype}.{i}", prescale_factor=pre)
+                   for i, a in enumerate(arrays)]
+        got = [hvd.synchronize(h) for h in handles]
+        want = [pre * reference(hvd.Sum, [make(r, s, dtype, ("mixed", dtype, step, i))
+                                          for r in range(SIZE)], dtype) for i, s in enumerate(shapes)]
+        for g, w in zip(got, want):
+            assert isinstance(g, np.ndarray) and g.dtype == np_dtype(dtype)
+            assert_close(g, w, dtype)
+        held.append((got, want))
+    for got, want in held:
+        for g, w in zip(got, want):
+            assert_close(g, w, dtype)
+
+
+def test_fused_async_step_of_one_multidim_shape_repeated():
+    # Members of one 2-d shape: the results are the rows of one reshape of the buffer.
+    for step in range(3):
+        handles = [hvd.allreduce_async(np.full((4, 6), (RANK + 1.0) * (i + step), np.float64),
+                                       op=hvd.Average, name=f"rows.{i}") for i in range(50)]
+        for i, h in enumerate(handles):
+            got = hvd.synchronize(h)
+            assert got.shape == (4, 6)
+            np.testing.assert_allclose(got, np.full((4, 6), (i + step) * (SIZE + 1) / 2))
+
+
+def test_fused_async_allreduces_while_ranks_join():
+    # Rank r submits r + 1 steps of small allreduces that fuse, then joins: the ranks
+    # that have joined add zeros to the others' fused batches.
+    hvd.barrier()
+    for step in range(RANK + 1):
+        handles = [hvd.allreduce_async(np.full(5 + i, 1.0 + i, np.float32), op=hvd.Sum,
+                                       name=f"joinfused.{step}.{i}") for i in range(6)]
+        active = len([r for r in range(SIZE) if r >= step])
+        for i, h in enumerate(handles):
+            np.testing.assert_allclose(hvd.synchronize(h), np.full(5 + i, (1.0 + i) * active))
+    assert hvd.join() == SIZE - 1
+    np.testing.assert_allclose(hvd.allreduce(np.ones(3), op=hvd.Sum, name="after.joinfused"),
+                               np.full(3, SIZE))

@@ -27,7 +27,7 @@ def test_lru_eviction_returns_the_slot_and_is_deterministic():
     for c in (a, b):
         put(c, "x")
         put(c, "y")
-        c.touch(c.lookup(req("x"))[1])
+        c.touch([c.lookup(req("x"))[1]])
         assert put(c, "z") == 1  # y was least recently used
     assert a.lookup(req("z")) == b.lookup(req("z")) == (HIT, 1)
     assert a.lookup(req("y")) == (MISS, -1)
