@@ -16,6 +16,7 @@ import numpy as np
 
 from . import device as _device
 from . import kernels
+from . import basics as _basics
 from .basics import runtime
 from .errors import InvalidCollectiveError
 from .execution import OutputPool
@@ -58,6 +59,7 @@ def _as_array(array, name: str, kind: Kind) -> np.ndarray:
 
 
 # Native-order dtypes allreduce takes, by dtype object (the fast path's only check).
+_ALLREDUCE = Kind.ALLREDUCE
 _REDUCIBLE_NAMES = {np.dtype(n): n for n in REDUCIBLE_DTYPES if n != "bfloat16"}
 try:
     import ml_dtypes as _ml_dtypes
@@ -104,16 +106,18 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
 
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0) -> Handle:
+    if name and array.__class__ is np.ndarray and op.__class__ is ReduceOp and \
+            prescale_factor == 1.0 == postscale_factor and array.flags.c_contiguous:
+        # The common case (a step's many named gradients), without the general checks'
+        # cost: this runs once per tensor per step on the caller's thread.
+        dname = _REDUCIBLE_NAMES.get(array.dtype)
+        rt = _basics._runtime
+        if dname is not None and op is not ReduceOp.ADASUM and rt is not None:
+            return rt.queue.submit(Entry(Request(name, _ALLREDUCE, dname, array.shape, int(op)),
+                                         array, Handle(name)))
     name = name or _auto_name("allreduce")
     op = _reduce_op(op, name)
     pre, post = float(prescale_factor), float(postscale_factor)
-    if array.__class__ is np.ndarray and array.flags.c_contiguous and \
-            math.isfinite(pre) and math.isfinite(post):
-        # The common case (a step's many gradients), without the general checks' cost.
-        dname = _REDUCIBLE_NAMES.get(array.dtype)
-        if dname is not None:
-            request = Request(name, Kind.ALLREDUCE, dname, array.shape, int(op), -1, pre, post)
-            return runtime().submit(Entry(request, array, Handle(name)))
     arr = _as_array(array, name, Kind.ALLREDUCE)
     _check_scales(arr, name, pre, post)
     return _submit(Kind.ALLREDUCE, arr, name, op=int(op), prescale=float(prescale_factor),

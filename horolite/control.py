@@ -22,6 +22,7 @@ COORDINATOR = 8
 
 _HEADER = 3
 _ALL_ONES = (1 << 64) - 1
+_FEW = 32  # slots below which setting bits in Python beats a NumPy scatter
 
 
 class Decoded(NamedTuple):
@@ -49,18 +50,29 @@ class ControlVector:
             vec[1] = setting[0]
             vec[2] = int(round(setting[1] * 1000))
         if self.words:
-            # One NumPy scatter per set, not a Python step per slot: a step of many
-            # small gradients has hundreds of slots ready.
-            bits = self._bits
-            bits[:] = True
-            if ready:
-                bits[_slots(ready)] = False
-            vec[_HEADER:_HEADER + self.words] = _pack(bits)
+            vec[_HEADER:_HEADER + self.words] = self._words(ready, True)
             if invalid:
-                bits[:] = False
-                bits[_slots(invalid)] = True
-                vec[_HEADER + self.words:] = _pack(bits)
+                vec[_HEADER + self.words:] = self._words(invalid, False)
         return vec
+
+    def _words(self, slots: Collection[int], complement: bool):
+        """The bitmap of `slots` (or its complement) as uint64 words."""
+        if len(slots) > _FEW:
+            # One NumPy scatter, not a Python step per slot: a step of many small
+            # gradients has hundreds of slots ready.
+            bits = self._bits
+            bits[:] = complement
+            bits[np.fromiter(slots, dtype=np.intp, count=len(slots))] = not complement
+            return np.packbits(bits, bitorder="little").view("<u8")
+        if complement:
+            words = [_ALL_ONES] * self.words
+            for slot in slots:
+                words[slot >> 6] &= ~(1 << (slot & 63))
+        else:
+            words = [0] * self.words
+            for slot in slots:
+                words[slot >> 6] |= 1 << (slot & 63)
+        return words
 
     def decode(self, out: Optional[np.ndarray] = None) -> Decoded:
         """Read the OR-reduced vector (default: `received`)."""
@@ -71,18 +83,18 @@ class ControlVector:
                        _bits(out[_HEADER + w:]) if w else [])
 
 
-def _slots(slots) -> np.ndarray:
-    return np.fromiter(slots, dtype=np.intp, count=len(slots))
-
-
-def _pack(bits: np.ndarray) -> np.ndarray:
-    """Booleans, slot s at index s, as uint64 words with slot s at bit s % 64 of word s // 64."""
-    return np.packbits(bits, bitorder="little").view("<u8")
-
-
 def _bits(words: np.ndarray) -> List[int]:
-    """Indices of the set bits of a uint64 array, ascending."""
-    if not words.any():
-        return []
-    return np.flatnonzero(np.unpackbits(words.astype("<u8", copy=False).view(np.uint8),
-                                        bitorder="little")).tolist()
+    """Indices of the set bits of a uint64 array, ascending (slots are handed out
+    lowest first, so many ready slots mostly fill whole words)."""
+    out = []
+    for w, word in enumerate(words.tolist()):
+        if not word:
+            continue
+        if word == _ALL_ONES:
+            out.extend(range(w * 64, w * 64 + 64))
+            continue
+        while word:
+            low = word & -word
+            out.append(w * 64 + low.bit_length() - 1)
+            word ^= low
+    return out

@@ -16,15 +16,15 @@ _callback_lock = threading.Lock()
 
 
 class Handle:
-    # A plain lock, held from creation until completion, is the cheapest thing a
-    # waiter can block on (threading.Event builds a Condition per handle).
+    # A plain lock, held until completion, is the cheapest thing a waiter can block
+    # on (threading.Event builds a Condition per handle); it is made only when someone
+    # must wait, since most handles of a step are done by the time they are asked.
     __slots__ = ("name", "_done", "_gate", "_result", "_exception", "_callbacks", "_transform")
 
     def __init__(self, name: str, transform: Optional[Callable[[Any], Any]] = None):
         self.name = name
         self._done = False
-        self._gate = allocate_lock()
-        self._gate.acquire()
+        self._gate = None
         self._result = None
         self._exception: Optional[BaseException] = None
         self._callbacks: Optional[List[Callable[["Handle"], None]]] = None
@@ -36,9 +36,16 @@ class Handle:
     def _wait(self, timeout: Optional[float]) -> bool:
         if self._done:
             return True
-        if not self._gate.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+        with _callback_lock:
+            if self._done:
+                return True
+            gate = self._gate
+            if gate is None:
+                gate = self._gate = allocate_lock()
+                gate.acquire()
+        if not gate.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
             return False
-        self._gate.release()  # let any other waiter through
+        gate.release()  # let any other waiter through
         return True
 
     def result(self, timeout: Optional[float] = None):
@@ -82,7 +89,8 @@ class Handle:
                 if handle._transform is None and handle._callbacks is None and not handle._done:
                     handle._result = value
                     handle._done = True
-                    handle._gate.release()
+                    if handle._gate is not None:
+                        handle._gate.release()
                 else:
                     rest.append((handle, value))
         for handle, value in rest:
@@ -98,7 +106,9 @@ class Handle:
             self._result, self._exception = value, exc
             self._done = True
             callbacks, self._callbacks = self._callbacks, None
-        self._gate.release()
+            gate = self._gate
+        if gate is not None:
+            gate.release()
         for fn in callbacks or ():
             try:
                 fn(self)

@@ -180,6 +180,7 @@ class Runtime:
         lookup = self.cache.lookup if self.cache.capacity else None
         waiting = self._waiting
         for entry in self.queue.take_new():
+            entry.taken = now
             req = entry.request
             if req.kind == Kind.JOIN:
                 self._joined = True
@@ -195,7 +196,7 @@ class Runtime:
         # Oldest first (insertion order is submission order), so stop at the first young one.
         expired = []
         for slot, entry in waiting.items():
-            if now - entry.submitted <= self._demote_after:
+            if now - entry.taken <= self._demote_after:
                 break
             expired.append(slot)
         for slot in expired:
@@ -245,7 +246,7 @@ class Runtime:
             if self.timeline.enabled:
                 for resp, entry in zip(responses, entries):
                     entry.responded = now
-                    self.timeline.span(resp.name, "NEGOTIATE", entry.submitted, now,
+                    self.timeline.span(resp.name, "NEGOTIATE", entry.taken, now,
                                        {"cached": True})
         else:
             responses, entries = [], []
@@ -266,7 +267,7 @@ class Runtime:
                     self._joined = False
                 if entry is not None:
                     entry.responded = done
-                    self.timeline.span(resp.name, "NEGOTIATE", entry.submitted, done)
+                    self.timeline.span(resp.name, "NEGOTIATE", entry.taken, done)
                     if self.cache.cacheable(resp):
                         evicted_slot = self.cache.put(entry.request, resp)
                         if evicted_slot is not None:

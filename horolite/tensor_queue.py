@@ -7,8 +7,7 @@ arrives. A name already in flight is refused at submit time.
 from __future__ import annotations
 
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -30,7 +29,9 @@ class Entry:
     # Device arrays: a CUDA event recorded on the caller's stream at submit (see device.py);
     # the NCCL stream waits on it before reading the array.
     ready: object = None
-    submitted: float = field(default_factory=time.monotonic)
+    # When the background thread took it (within a cycle of the submission: it wakes on
+    # submit), and when its response was known; for cache demotion and the timeline.
+    taken: float = 0.0
     responded: float = 0.0
 
 

@@ -32,3 +32,19 @@ def test_nothing_ready_and_no_cache():
     assert d.fusion_threshold == 0  # fusion disabled on rank 0 reaches everyone
     none = ControlVector(0)
     assert none.send.size == 3 and none.decode(none.encode(0, (5, 1.0), [], [])).ready == []
+
+
+def test_many_slots_match_set_arithmetic():
+    # Past a few slots the bits are set with NumPy, and whole ready words are read at
+    # once: dense runs (slots are handed out lowest first) and scattered slots alike.
+    rng = np.random.RandomState(7)
+    for count in (0, 1, 31, 33, 64, 200, 1000):
+        dense = [list(range(count)) for _ in range(3)]
+        scattered = [rng.choice(1024, size=count, replace=False).tolist() for _ in range(3)]
+        for ready in (dense, scattered):
+            invalid = [rng.choice(1024, size=count // 3, replace=False).tolist() for _ in range(3)]
+            ranks = [ControlVector(1024) for _ in range(3)]
+            sent = [c.encode(0, None, r, i).copy() for c, r, i in zip(ranks, ready, invalid)]
+            decoded = ranks[0].decode(reduce_or(sent))
+            assert decoded.ready == sorted(set(ready[0]) & set(ready[1]) & set(ready[2]))
+            assert decoded.invalid == sorted(set(invalid[0]) | set(invalid[1]) | set(invalid[2]))
