@@ -120,8 +120,8 @@ LIMITS = {
     "grouped": "Python around one fused request: the caller packs 200 arrays (~0.15 ms), the "
                "result is split into 200 views, one background cycle with its control "
                "allreduce, 800 KiB through shared memory (~0.25 ms)",
-    "async": "per-tensor Python on both threads: ~6 us to submit on the caller, ~8 us in the "
-             "background thread (cache lookup, fusion planning, completion), with 2 ranks x 2 "
+    "async": "per-tensor Python on both threads: ~4 us to submit on the caller, ~5 us in the "
+             "background thread (cache lookup, packing, views, completion), with 2 ranks x 2 "
              "threads sharing 2 cores",
 }
 
