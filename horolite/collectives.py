@@ -234,19 +234,11 @@ def _pack_host_group(arrays: list, base: str):
                 parts.append(pad[:gap])
     else:
         parts = arrays
-    if arrays[0].ndim == 1 == arrays[-1].ndim:
-        try:
-            # 1-d members (say, a step of flat gradients): NumPy's own loop, which needs
-            # no pointer per member (a failed attempt costs ~0.2 us per member)
-            np.concatenate(parts, out=flat)
-            return flat, shapes
-        except ValueError:  # some member in between has other dimensions
-            pass
     try:
-        kernels.pack(flat.view(np.uint8), parts)
+        kernels.pack_into(flat, parts)
     except ValueError:  # a non-contiguous member: copy those first
         parts = [a if a.flags.c_contiguous else a.copy(order="C") for a in parts]
-        kernels.pack(flat.view(np.uint8), parts)
+        kernels.pack_into(flat, parts)
     return flat, shapes
 
 

@@ -101,14 +101,13 @@ def _page_aligned_empty(shape, dtype, nbytes: int) -> np.ndarray:
 class _FusedLayout:
     """Where each tensor of a fused allreduce sits in the fusion buffer. Made once per
     batch of cached responses, which recur as the same objects every step."""
-    __slots__ = ("size", "names", "one_dim", "_rows", "_pieces")
+    __slots__ = ("size", "names", "_rows", "_pieces")
 
     def __init__(self, batch: Sequence[Response]):
         shapes = [tuple(r.shape) for r in batch]
         counts = [math.prod(shape) for shape in shapes]
         self.size = sum(counts)
         self.names = [r.name for r in batch]
-        self.one_dim = all(len(shape) == 1 for shape in shapes)
         self._rows = self._pieces = None
         if len(set(shapes)) == 1 and shapes[0]:
             self._rows = (len(shapes),) + shapes[0]  # one reshape; its rows are the results
@@ -118,12 +117,6 @@ class _FusedLayout:
                 pieces.append((slice(offset, offset + n), None if len(shape) == 1 else shape))
                 offset += n
             self._pieces = pieces
-
-    def pack(self, flat: np.ndarray, inputs: List[np.ndarray], factor: float) -> None:
-        if self.one_dim and factor == 1.0:
-            np.concatenate(inputs, out=flat)  # NumPy's loop needs no pointer per tensor
-        else:
-            kernels.pack(flat.view(np.uint8), inputs, factor)
 
     def views(self, flat: np.ndarray) -> List[np.ndarray]:
         """Each tensor's piece of the reduced buffer, shaped like the tensor."""
@@ -259,7 +252,7 @@ class Executor:
             # view of it (from the pool: reused once every view is gone).
             layout = layout or _FusedLayout(batch)
             flat = self.outputs.empty((layout.size,), inputs[0].dtype)
-            layout.pack(flat, inputs, first.prescale)
+            kernels.pack_into(flat, inputs, first.prescale)
             t1 = time.monotonic()
             self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
             self.transport.allreduce(flat, op, postscale,

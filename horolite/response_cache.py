@@ -41,9 +41,6 @@ class ResponseCache:
         slot, signature = found
         return (HIT, slot) if signature == request.signature() else (INVALID, slot)
 
-    def response(self, slot: int) -> Response:
-        return self._responses[slot]
-
     def responses(self, slots: List[int]) -> List[Response]:
         """response() of each slot, and all of them marked used now."""
         self.touch(slots)

@@ -404,3 +404,25 @@ def test_isa_levels():
     assert lib.hl_isa_set(-1) == -1
     assert lib.hl_isa_set(99) == -1
     assert lib.hl_isa_name(99) == ffi.NULL
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16", "float16"])
+def test_pack_into_flat_mixed_strided_and_scaled(dtype):
+    # 1-d arrays (NumPy's concatenate, a strided one included), arrays of other
+    # dimensions in between (the native pack), and a scale factor (the native pack).
+    dt = dtype_from_name(dtype)
+    rng = np.random.RandomState(3)
+
+    def arr(shape):
+        return rng.randint(0, 9, size=shape).astype(np.float64).astype(dt)
+
+    strided = arr((20,))[::2]
+    cases = [([arr((5,)), strided, arr((1,)), arr((0,))], 1.0),
+             ([arr((3,)), arr((2, 3)), arr((4,))], 1.0),
+             ([arr(()), arr((3,))], 1.0),
+             ([arr((5,)), arr((7,))], 2.0)]
+    for arrays, factor in cases:
+        flat = np.full(sum(a.size for a in arrays), 99, dtype=dt)
+        kernels.pack_into(flat, [np.ascontiguousarray(a) if a.ndim != 1 else a for a in arrays], factor)
+        want = np.concatenate([a.reshape(-1).astype(np.float64) for a in arrays]) * factor
+        np.testing.assert_array_equal(flat.astype(np.float64), want)
