@@ -21,7 +21,7 @@ from .autotune import Autotuner, parse_start
 from .control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
 from .errors import HorovodInternalError, ShutdownError, StallError
 from .execution import Executor
-from .messages import JOIN_NAME, Kind, Response
+from .messages import JOIN_NAME, Kind
 from .negotiation import Coordinator
 from .response_cache import HIT, INVALID, MISS, ResponseCache
 from .stall import StallInspector
