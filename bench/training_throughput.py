@@ -79,69 +79,13 @@ def timed_loop(step, args, barrier=None) -> float:
 
 # ---- the three systems ----
 
-def run_single(args) -> dict:
-    tf = _tf()
+def training_steps(tf, args, seed: int, hvd=None):
+    """(model, the plain step, the step through hvd.DistributedGradientTape or None):
+    one model, optimizer and batch, as every measurement here trains them."""
     model = build_model(tf, args)
     opt = tf.keras.optimizers.SGD(0.01)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x, y = synthetic_batch(tf, args, 0)
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    def wait_for_go():
-        # (4): tell the parent the warm-up is done, and start timing when every rank's is
-        print("READY", flush=True)
-        sys.stdin.readline()
-
-    seconds = timed_loop(step, args, barrier=wait_for_go if args.wait_for_go else None)
-    return {"seconds": seconds, "images_per_sec": args.batch * args.steps / seconds,
-            "parameters": int(sum(v.shape.num_elements() for v in model.trainable_variables))}
-
-
-def run_horolite(args, comm) -> dict:
-    tf = _tf()
-    import horolite.tensorflow as hvd
-    hvd.init()
-    tf.keras.utils.set_random_seed(0)  # the same initial weights on every rank
-    model = build_model(tf, args)
-    opt = tf.keras.optimizers.SGD(0.01)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x, y = synthetic_batch(tf, args, hvd.rank())
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    seconds = timed_loop(step, args, barrier=comm.Barrier)
-    seconds = comm.allreduce(seconds, op=__import__("mpi4py.MPI", fromlist=["MAX"]).MAX)
-    hvd.shutdown()
-    n = comm.Get_size()
-    return {"seconds": seconds, "images_per_sec": n * args.batch * args.steps / seconds}
-
-
-def run_interleaved(args, comm) -> dict:
-    """Blocks of: one process alone, every rank plain, every rank with horolite, each
-    args.block_steps steps, in these processes; images/sec of each, block by block."""
-    from mpi4py import MPI
-    tf = _tf()
-    import horolite.tensorflow as hvd
-    hvd.init()
-    tf.keras.utils.set_random_seed(0)
-    model = build_model(tf, args)
-    opt = tf.keras.optimizers.SGD(0.01)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x, y = synthetic_batch(tf, args, hvd.rank())
+    x, y = synthetic_batch(tf, args, seed)
 
     def make(distributed: bool):
         @tf.function
@@ -155,7 +99,48 @@ def run_interleaved(args, comm) -> dict:
             return loss
         return step
 
-    plain, horolite = make(False), make(True)
+    return model, make(False), make(True) if hvd is not None else None
+
+
+def run_single(args) -> dict:
+    tf = _tf()
+    model, step, _ = training_steps(tf, args, 0)
+
+    def wait_for_go():
+        # (4): tell the parent the warm-up is done, and start timing when every rank's is
+        print("READY", flush=True)
+        sys.stdin.readline()
+
+    seconds = timed_loop(step, args, barrier=wait_for_go if args.wait_for_go else None)
+    return {"seconds": seconds, "images_per_sec": args.batch * args.steps / seconds,
+            "parameters": int(sum(v.shape.num_elements() for v in model.trainable_variables))}
+
+
+def _start_horolite(tf, args):
+    """horolite up, the same initial weights on every rank; training_steps' result."""
+    import horolite.tensorflow as hvd
+    hvd.init()
+    tf.keras.utils.set_random_seed(0)
+    return hvd, training_steps(tf, args, hvd.rank(), hvd)
+
+
+def run_horolite(args, comm) -> dict:
+    from mpi4py import MPI
+    tf = _tf()
+    hvd, (_, _, step) = _start_horolite(tf, args)
+    seconds = timed_loop(step, args, barrier=comm.Barrier)
+    seconds = comm.allreduce(seconds, op=MPI.MAX)
+    hvd.shutdown()
+    n = comm.Get_size()
+    return {"seconds": seconds, "images_per_sec": n * args.batch * args.steps / seconds}
+
+
+def run_interleaved(args, comm) -> dict:
+    """Blocks of: one process alone, every rank plain, every rank with horolite, each
+    args.block_steps steps, in these processes; images/sec of each, block by block."""
+    from mpi4py import MPI
+    tf = _tf()
+    hvd, (_, plain, horolite) = _start_horolite(tf, args)
     n, rank = comm.Get_size(), comm.Get_rank()
     block = argparse.Namespace(steps=args.block_steps, warmup=args.block_warmup)
 
@@ -311,7 +296,7 @@ def orchestrate(args) -> None:
     # the median round, by horolite's ratio to MWMS.
     ratios = [r["horolite"]["images_per_sec"] / r["mwms"]["images_per_sec"] for r in rounds]
     effs = [r["horolite"]["images_per_sec"] / (n * r["single"]["images_per_sec"]) for r in rounds]
-    ratio, round_efficiency = sorted(ratios)[len(ratios) // 2], sorted(effs)[len(effs) // 2]
+    ratio, round_efficiency = _median(ratios), _median(effs)
     efficiency = _median(block_eff)
     # The efficiency's two factors, round by round: what the machine allows n processes
     # that exchange nothing, and what horolite keeps of that.
@@ -346,8 +331,7 @@ def orchestrate(args) -> None:
                f"{n / 1.3:.2f}x one process (it ran at "
                + ", ".join(f"{r['mwms']['images_per_sec'] / r['single']['images_per_sec']:.2f}"
                            for r in rounds)
-               + " by round); then the exchange's cost below. Ratio by round: "
-               + ", ".join(f"{x:.2f}" for x in ratios)),
+               + " by round); then the exchange's cost below. Ratio by round: " + _list(ratios)),
         Target(f"scaling efficiency ({n} ranks vs {n} x one process, 1 thread each; median of "
                "interleaved blocks)", efficiency, 0.9, "", True,
                f"by block: the machine ({n} ranks training plain at once against {n} x one "
