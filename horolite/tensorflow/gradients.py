@@ -4,6 +4,8 @@
 share. It enqueues every gradient as soon as it exists (in reverse list order,
 since backprop produces the last layers' gradients first) and only then waits:
 every wait op has a control dependency on all the enqueue ops of the step.
+When the step makes one request (the default: one group), a graph gets one op
+that submits and waits, since there is no other enqueue to hold up.
 
 `LocalAggregator` sums gradients locally over `backward_passes_per_step`
 calls and reduces the sum once, on the last call.
@@ -19,7 +21,8 @@ from horolite.ops import ReduceOp
 
 from .compression import Compression
 from .functions import variable_name
-from .mpi_ops import _check_op, _enqueue, enqueue_grouped_allreduce, graph_unique_name, wait
+from .mpi_ops import (_check_op, _enqueue, graph_unique_name, grouped_allreduce_submit,
+                      run_alone, wait)
 
 __all__ = ["GradientReducer", "LocalAggregator", "check_arguments"]
 
@@ -120,21 +123,39 @@ class GradientReducer:
         groups = self._group_indices(dense, variables)
         jobs = []  # (order key, enqueue thunk, finish(hid) -> None)
 
+        def dense(members):
+            """(the compressed tensors and their contexts, submit, whether submit must get copies)"""
+            comp = [self.compression.compress(tf.convert_to_tensor(grads[i])) for i in members]
+            if len(members) == 1:
+                nm = f"{base}.grad.{labels[members[0]]}"
+                submit, copy = (lambda a: _core.allreduce_async(a, op, nm, pre, post)), True
+            else:
+                submit, copy = grouped_allreduce_submit(f"{base}.group.{labels[members[0]]}",
+                                                        op, pre, post)
+            return comp, submit, copy
+
+        def decompress(members, comp, results):
+            for i, r, (_, ctx) in zip(members, results, comp):
+                out[i] = self.compression.decompress(r, ctx)
+
+        if graph and len(groups) == 1 and not sparse:
+            # The step's only request (the default: one group): nothing else to enqueue,
+            # so submitting and waiting can be one op.
+            comp, submit, copy = dense(groups[0])
+            tensors = [c for c, _ in comp]
+            decompress(groups[0], comp, run_alone(submit, tensors, [t.dtype for t in tensors],
+                                                  [t.shape for t in tensors], copy))
+            return out
+
         for members in groups:
             def job(members=members):
-                comp = [self.compression.compress(tf.convert_to_tensor(grads[i])) for i in members]
+                comp, submit, copy = dense(members)
                 tensors = [c for c, _ in comp]
-                if len(members) == 1:
-                    nm = f"{base}.grad.{labels[members[0]]}"
-                    hid = _enqueue(lambda a, nm=nm: _core.allreduce_async(a, op, nm, pre, post), tensors)
-                else:
-                    nm = f"{base}.group.{labels[members[0]]}"
-                    hid = enqueue_grouped_allreduce(tensors, nm, op, pre, post)
+                hid = _enqueue(submit, tensors, copy)
 
                 def finish(hid):
-                    results = wait(hid, [t.dtype for t in tensors], [t.shape for t in tensors])
-                    for i, r, (_, ctx) in zip(members, results, comp):
-                        out[i] = self.compression.decompress(r, ctx)
+                    decompress(members, comp, wait(hid, [t.dtype for t in tensors],
+                                                   [t.shape for t in tensors]))
                 return hid, finish
             jobs.append((max(members), job))
 

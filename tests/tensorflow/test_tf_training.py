@@ -113,6 +113,44 @@ def test_default_sends_a_steps_gradients_as_one_request(kwargs, grouped, single,
     np.testing.assert_allclose(gc.numpy(), np.mean(hvd.allgather_object(float(loss / c))), rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["default", "one_variable", "mixed_dtypes", "fp16", "two_groups"])
+def test_graph_step_request_ops(case):
+    # Inside tf.function a step whose gradients make one request submits and waits in
+    # one op; several requests keep an enqueue op each and wait ops after all of them.
+    w = tf.Variable(W0)
+    b = tf.Variable(B0.astype(np.float64) if case == "mixed_dtypes" else B0)
+    x, y = tf.constant(X[LO:HI]), tf.constant(Y[LO:HI])
+    sources = [w] if case == "one_variable" else [w, b]
+    kwargs = {"fp16": {"compression": hvd.Compression.fp16},
+              "two_groups": {"num_groups": 2}}.get(case, {})
+
+    def local_loss():
+        return tf.reduce_mean(tf.square(tf.matmul(x, w) + tf.cast(b, tf.float32) - y))
+
+    @tf.function
+    def grads():
+        with tf.GradientTape() as t:
+            loss = local_loss()
+        return hvd.DistributedGradientTape(t, **kwargs).gradient(loss, sources)
+
+    with tf.GradientTape() as t:
+        loss = local_loss()
+    mine = [g.numpy() for g in t.gradient(loss, sources)]
+    expect = [np.mean(hvd.allgather_object(g), axis=0) for g in mine]
+    got = [g.numpy() for g in grads()]
+    tol = {"rtol": 2e-3, "atol": 1e-3} if case == "fp16" else {"rtol": 1e-5, "atol": 1e-6}
+    for g, e, s in zip(got, expect, sources):
+        assert g.dtype == s.dtype.as_numpy_dtype and g.shape == tuple(s.shape)
+        np.testing.assert_allclose(g, e, **tol)
+    names = [op.name for op in grads.get_concrete_function().graph.get_operations()
+             if op.type in ("PyFunc", "EagerPyFunc")]
+    if case == "two_groups":
+        assert sum("HorolitEnqueue" in n for n in names) == 2, names
+        assert sum("HorolitWait" in n for n in names) == 2, names
+    else:
+        assert len(names) == 1 and "HorolitCollective" in names[0], names
+
+
 def test_constructor_errors():
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0)
