@@ -123,7 +123,7 @@ class GradientReducer:
         groups = self._group_indices(dense, variables)
         jobs = []  # (order key, enqueue thunk, finish(hid) -> None)
 
-        def dense(members):
+        def request(members):
             """(the compressed tensors and their contexts, submit, whether submit must get copies)"""
             comp = [self.compression.compress(tf.convert_to_tensor(grads[i])) for i in members]
             if len(members) == 1:
@@ -141,7 +141,7 @@ class GradientReducer:
         if graph and len(groups) == 1 and not sparse:
             # The step's only request (the default: one group): nothing else to enqueue,
             # so submitting and waiting can be one op.
-            comp, submit, copy = dense(groups[0])
+            comp, submit, copy = request(groups[0])
             tensors = [c for c, _ in comp]
             decompress(groups[0], comp, run_alone(submit, tensors, [t.dtype for t in tensors],
                                                   [t.shape for t in tensors], copy))
@@ -149,7 +149,7 @@ class GradientReducer:
 
         for members in groups:
             def job(members=members):
-                comp, submit, copy = dense(members)
+                comp, submit, copy = request(members)
                 tensors = [c for c, _ in comp]
                 hid = _enqueue(submit, tensors, copy)
 
