@@ -74,14 +74,19 @@ def test_training_throughput(tmp_path):
     (round_,) = doc["rounds"]
     assert round_["no_exchange"]["images_per_sec"] > 0
     assert len(doc["no_exchange_vs_single_by_round"]) == len(doc["horolite_vs_no_exchange_by_round"]) == 1
-    # the efficiency target's reading: interleaved blocks of the three, in the same processes
-    assert all(len(doc["blocks"][k]) == 2 for k in ("single", "no_exchange", "horolite"))
+    # the efficiency target's reading: interleaved blocks of the four, in the same processes
+    # (one_rank: the horolite step as a job of rank 0 alone)
+    assert all(len(doc["blocks"][k]) == 2 for k in ("single", "one_rank", "no_exchange", "horolite"))
     assert min(min(v) for v in doc["blocks"].values()) > 0
+    assert doc["efficiencies_by_block"] == [h / (2 * o) for h, o in zip(doc["blocks"]["horolite"],
+                                                                         doc["blocks"]["one_rank"])]
     assert doc["scaling_efficiency"] == sorted(doc["efficiencies_by_block"])[1]
+    assert doc["scaling_efficiency_vs_plain"] == sorted(doc["efficiencies_vs_plain_by_block"])[1]
     assert doc["scaling_efficiency"] > 0 and doc["ratio_vs_mwms"] > 0
     assert doc["plot"] is None
     assert {t["name"].split(",")[0] for t in doc["targets"]} >= {
-        "images/sec", "scaling efficiency (2 ranks vs 2 x one process"}
+        "images/sec", "scaling efficiency (2 ranks vs 2 x 1 rank of the same horolite step",
+        "stricter"}
 
 
 def test_autotune_recovery(tmp_path):
