@@ -154,9 +154,10 @@ LIMITS = {
               "step costs about as much as MPI_Allreduce's own reduction steps",
     "bound": "one core's copy speed: with results in the arena each rank reads its input once "
              "and writes N of results with streaming stores (less traffic than the bound's "
-             "3N), but staging and reducing run on one core per rank at the 6-7 GB/s one core "
-             "copies from DRAM here, the arena has no huge pages on this VM (NumPy's arrays "
-             "do), and the ranks wait on each other block by block",
+             "3N), but staging and reducing run on one core per rank, which reads one stream "
+             "from DRAM at 9-10 GB/s here while numpy.add reads two; a C model of one rank's "
+             "work with no waiting at all, two at once, runs at 1.1-1.3x the bound on this "
+             "VM, and the same code reads 1.13-1.54x from run to run (docs/benchmarks.md)",
     "1mib": "the fixed cost of a background cycle (control allreduce, cache bits, two thread "
             "hand-offs) on top of the ring",
 }
