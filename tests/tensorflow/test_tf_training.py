@@ -151,6 +151,35 @@ def test_graph_step_request_ops(case):
         assert len(names) == 1 and "HorolitCollective" in names[0], names
 
 
+@pytest.mark.skipif(N < 2, reason="a mismatch needs two ranks")
+@pytest.mark.parametrize("sources", [1, 2])
+def test_graph_step_mismatch_names_the_gradient_then_works(sources):
+    # The one-op exchange of a tf.function step: a gradient whose shape differs on one
+    # rank fails on every rank, naming it and the shapes; the next step works.
+    odd = tf.Variable(tf.ones((3,) if R == 0 else (4,)), name="odd_one")
+    extra = [tf.Variable(tf.ones(2), name="fine")] if sources == 2 else []
+
+    @tf.function
+    def grads():
+        with tf.GradientTape() as t:
+            loss = tf.add_n([tf.reduce_sum(v * v) for v in [odd, *extra]])
+        return hvd.DistributedGradientTape(t).gradient(loss, [odd, *extra])
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="odd_one") as info:
+        grads()
+    message = str(info.value)
+    assert "(3,)" in message and "(4,)" in message, message
+    w = tf.Variable(tf.fill([3], float(R + 1)))
+
+    @tf.function
+    def good():
+        with tf.GradientTape() as t:
+            loss = tf.reduce_sum(w * w)
+        return hvd.DistributedGradientTape(t).gradient(loss, [w])[0]
+
+    np.testing.assert_allclose(good().numpy(), np.full(3, 2.0 * np.mean(np.arange(1, N + 1))))
+
+
 def test_constructor_errors():
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0)
