@@ -378,6 +378,88 @@ void hl_streaming_done(void)
 #endif
 }
 
+/* ---- a sum written to every rank's result in one pass --------------------- */
+
+/* The vector body of hl_sum_to_all for one floating dtype: four 16-byte vectors
+ * of a + b (times the scale), each stored to every output. */
+#define HL_SUM_TO_ALL_BODY(T, V, LOADU, ADD, MUL, SET1, STREAM, STOREU)        \
+    do {                                                                      \
+        const T *a_ = (const T *)a, *b_ = (const T *)b;                       \
+        const size_t per_ = 16 / sizeof(T), step_ = 4 * per_;                 \
+        const T sc_ = (T)postscale;                                           \
+        const V s_ = SET1(sc_);                                               \
+        size_t i_ = 0;                                                        \
+        /* NT stores need 16-byte alignment: reach it with scalar elements */ \
+        while (nt && i_ < count && ((uintptr_t)((T *)dsts[0] + i_) & 15)) {   \
+            T v_ = a_[i_] + b_[i_];                                           \
+            if (scaled) v_ = v_ * sc_;                                        \
+            for (int q_ = 0; q_ < ndst; q_++) ((T *)dsts[q_])[i_] = v_;       \
+            i_++;                                                             \
+        }                                                                     \
+        for (; i_ + step_ <= count; i_ += step_) {                            \
+            V x0 = ADD(LOADU(a_ + i_), LOADU(b_ + i_));                       \
+            V x1 = ADD(LOADU(a_ + i_ + per_), LOADU(b_ + i_ + per_));         \
+            V x2 = ADD(LOADU(a_ + i_ + 2 * per_), LOADU(b_ + i_ + 2 * per_)); \
+            V x3 = ADD(LOADU(a_ + i_ + 3 * per_), LOADU(b_ + i_ + 3 * per_)); \
+            if (scaled) {                                                     \
+                x0 = MUL(x0, s_), x1 = MUL(x1, s_);                           \
+                x2 = MUL(x2, s_), x3 = MUL(x3, s_);                           \
+            }                                                                 \
+            for (int q_ = 0; q_ < ndst; q_++) {                               \
+                T *o_ = (T *)dsts[q_] + i_;                                   \
+                if (nt) {                                                     \
+                    STREAM(o_, x0), STREAM(o_ + per_, x1);                    \
+                    STREAM(o_ + 2 * per_, x2), STREAM(o_ + 3 * per_, x3);     \
+                } else {                                                      \
+                    STOREU(o_, x0), STOREU(o_ + per_, x1);                    \
+                    STOREU(o_ + 2 * per_, x2), STOREU(o_ + 3 * per_, x3);     \
+                }                                                             \
+            }                                                                 \
+        }                                                                     \
+        for (; i_ < count; i_++) {                                            \
+            T v_ = a_[i_] + b_[i_];                                           \
+            if (scaled) v_ = v_ * sc_;                                        \
+            for (int q_ = 0; q_ < ndst; q_++) ((T *)dsts[q_])[i_] = v_;       \
+        }                                                                     \
+    } while (0)
+
+int hl_has_sum_to_all(int dtype)
+{
+#if defined(__x86_64__)
+    return dtype == HL_FLOAT32 || dtype == HL_FLOAT64;
+#else
+    (void)dtype;
+    return 0;
+#endif
+}
+
+int hl_sum_to_all(void *const *dsts, int ndst, const void *a, const void *b, size_t count,
+                  int dtype, double postscale, int stream)
+{
+#if defined(__x86_64__)
+    if (!hl_has_sum_to_all(dtype))
+        return 1;
+    const int scaled = postscale != 1.0;
+    /* streaming stores only when every output has the same alignment */
+    int nt = stream;
+    for (int q = 1; q < ndst && nt; q++)
+        nt = (((uintptr_t)dsts[q] - (uintptr_t)dsts[0]) & 15) == 0;
+    if (dtype == HL_FLOAT32)
+        HL_SUM_TO_ALL_BODY(float, __m128, _mm_loadu_ps, _mm_add_ps, _mm_mul_ps, _mm_set1_ps,
+                           _mm_stream_ps, _mm_storeu_ps);
+    else
+        HL_SUM_TO_ALL_BODY(double, __m128d, _mm_loadu_pd, _mm_add_pd, _mm_mul_pd, _mm_set1_pd,
+                           _mm_stream_pd, _mm_storeu_pd);
+    return 0;
+#else
+    (void)dsts, (void)ndst, (void)a, (void)b, (void)count, (void)dtype, (void)postscale,
+        (void)stream;
+    return 1;
+#endif
+}
+
+#undef HL_SUM_TO_ALL_BODY
+
 int hl_pack(void *dst, const void *const *srcs, const size_t *nbytes, size_t n, int dtype,
             double factor)
 {

@@ -55,6 +55,18 @@ int hl_pack(void *dst, const void *const *srcs, const size_t *nbytes, size_t n, 
 void hl_copy_streaming(void *dst, const void *src, size_t bytes);
 void hl_streaming_done(void);
 
+/* dsts[q][i] = (a[i] + b[i]) * postscale for q < ndst (postscale 1.0: no
+ * multiply), float32 or float64, rounded as hl_reduce rounds: one pass that
+ * reads two streams and writes every output, with non-temporal stores when
+ * `stream` (call hl_streaming_done after). Reading and writing in the same
+ * loop keeps both directions of the memory path busy, which a reduce and then
+ * a copy do not. Returns 0, or 1 (nothing written) when hl_has_sum_to_all
+ * says there is no such pass for dtype on this CPU. (Shared by the C files;
+ * not part of the Python API.) */
+int hl_has_sum_to_all(int dtype);
+int hl_sum_to_all(void *const *dsts, int ndst, const void *a, const void *b, size_t count,
+                  int dtype, double postscale, int stream);
+
 /* Copy consecutive nbytes[i] bytes of src into dsts[i]. */
 int hl_unpack(void *const *dsts, const void *src, const size_t *nbytes, size_t n);
 

@@ -35,6 +35,9 @@ static double hl_now(void)
 #define HL_RELAX() ((void)0)
 #endif
 
+/* Most ranks sum_to_all writes to at once (more use reduce + copy) */
+#define HL_SHM_MAX_FUSED_RANKS 64
+
 /* Owners reduce and write results this many bytes at a time, while they are in L1. */
 #define CHUNK_BYTES 16384
 
@@ -97,6 +100,34 @@ static int reduce_segment(char *const *slots, int n, int r, size_t at, const cha
         rc = hl_reduce(acc, slots[(r + d) % n] + at, len, dtype, op,
                        d == n - 1 ? postscale : 1.0);
     return rc;
+}
+
+/* Direct mode, owner side, for a sum: one chunk of my segment (staged copies at
+ * `at` in the slots, my input at `in`) summed and written to every rank's result
+ * at byte `out_at` in the same pass as its last addition (hl_sum_to_all). With
+ * more than two ranks the others' copies are folded first, as reduce_segment
+ * does, into the copy my successor staged. 0 or a negative hl_reduce error; only
+ * for a dtype hl_has_sum_to_all accepts. */
+static int sum_to_all(char *const *slots, char *const *arenas, const int64_t *offsets, int n,
+                      int r, size_t at, const char *in, size_t out_at, size_t count,
+                      int dtype, double postscale, int stream)
+{
+    void *outs[HL_SHM_MAX_FUSED_RANKS];
+    for (int q = 0; q < n; q++)
+        outs[q] = arenas[q] + offsets[q] + out_at;
+    /* the operands in reduce_segment's order, so the sums round alike bit for bit */
+    const char *x = slots[(r + 1) % n] + at, *y = in;
+    if (n > 2) {
+        char *acc = slots[(r + 1) % n] + at;
+        int rc;
+        if ((rc = hl_reduce(acc, in, count, dtype, HL_SUM, 1.0)) < 0)
+            return rc;
+        for (int d = 2; d < n - 1; d++)
+            if ((rc = hl_reduce(acc, slots[(r + d) % n] + at, count, dtype, HL_SUM, 1.0)) < 0)
+                return rc;
+        x = acc, y = slots[(r + n - 1) % n] + at;
+    }
+    return hl_sum_to_all(outs, n, x, y, count, dtype, postscale, stream);
 }
 
 /* Shared mode, owner side: elements [at, at + len) of every rank's buffer (all in
@@ -220,9 +251,18 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
                     return rc;
             } else {
                 /* direct: my segment goes from cache straight into every rank's result */
+                const int fused = op == HL_SUM && n <= HL_SHM_MAX_FUSED_RANKS &&
+                                  hl_has_sum_to_all(dtype);
                 for (size_t c = a; c < a + len; c += chunk) {
                     size_t cl = (a + len - c < chunk) ? a + len - c : chunk;
                     size_t at = slot_off + c * itemsize;
+                    if (fused) {
+                        if ((rc = sum_to_all(slots, arenas, offsets, n, r, at,
+                                             in + (lo + c) * itemsize, (lo + c) * itemsize,
+                                             cl, dtype, postscale, stream)) < 0)
+                            return rc;
+                        continue;
+                    }
                     if ((rc = reduce_segment(slots, n, r, at, in + (lo + c) * itemsize, cl,
                                              dtype, op, postscale)) < 0)
                         return rc;

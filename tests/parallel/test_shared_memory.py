@@ -132,6 +132,37 @@ def test_in_place_with_postscale(shm, where):
 
 
 @needs_ranks
+@pytest.mark.parametrize("where", list(MODES))
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE], ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+def test_large_results_stream_into_every_rank(shm, dtype, op, where):
+    # From 8 MiB (HL_STREAM_BYTES) results are written with streaming stores; a
+    # float sum there is one pass that adds and writes every rank's result
+    # (hl_sum_to_all). The odd count puts segment starts off 16-byte boundaries
+    # for 3 ranks; int32 keeps the reduce-then-copy path. Values are integers, so
+    # the sum is exact whatever the order; an average is checked to rounding.
+    itemsize = np.dtype(dtype).itemsize
+    count = (8 << 20) // itemsize + 3 * (shm_mod.SLOT_BYTES // itemsize) // 2 + 11
+    postscale = 1.0 / SIZE if op == ReduceOp.AVERAGE else 1.0
+    inputs = [make(q, count, dtype, ("large", op.name), 1000) for q in range(SIZE)]
+    dst = output(shm, where, count, inputs[RANK].dtype)
+    if where == "arena-in-place":
+        dst[:] = inputs[RANK]
+        src = dst
+    else:
+        src = inputs[RANK].copy()
+    shm.allreduce(src, dst, op, postscale, what="tensor 'large'")
+    assert shm.last_mode == MODES[where]
+    want = reference(op, inputs, dtype)
+    if op == ReduceOp.SUM or dtype == "int32":
+        np.testing.assert_array_equal(dst.astype(np.float64), want)
+    else:
+        np.testing.assert_allclose(dst.astype(np.float64), want, rtol=1e-6, atol=0)
+    everyone = COMM.allgather(zlib.crc32(dst.tobytes()))
+    assert len(set(everyone)) == 1, everyone
+
+
+@needs_ranks
 def test_every_rank_chooses_the_mode_the_least_able_rank_allows(shm):
     # Calls switch between the three modes, over more blocks than slots: each mode
     # reuses slots another one left, and every rank must choose the same mode each
