@@ -140,9 +140,26 @@ static int reduce_shared(char *const *arenas, const int64_t *offsets, int n, int
 {
     char scratch[CHUNK_BYTES] __attribute__((aligned(64)));
     const size_t chunk = sizeof scratch / itemsize;
+    const int fused = op == HL_SUM && n <= HL_SHM_MAX_FUSED_RANKS && hl_has_sum_to_all(dtype);
+    void *outs[HL_SHM_MAX_FUSED_RANKS];
     for (size_t c = at; c < at + len; c += chunk) {
         const size_t cl = (at + len - c < chunk) ? at + len - c : chunk;
         const size_t byte = c * itemsize;
+        if (fused) {
+            /* as below, but the last addition writes every buffer in the same pass
+             * (each element is read before it is overwritten: same index) */
+            for (int q = 0; q < n; q++)
+                outs[q] = arenas[q] + offsets[q] + byte;
+            const char *x = outs[r];
+            if (n > 2) {
+                memcpy(scratch, outs[r], cl * itemsize);
+                for (int d = 1; d < n - 1; d++)
+                    hl_reduce(scratch, outs[(r + d) % n], cl, dtype, op, 1.0);
+                x = scratch;
+            }
+            hl_sum_to_all(outs, n, x, outs[(r + n - 1) % n], cl, dtype, postscale, stream);
+            continue;
+        }
         memcpy(scratch, arenas[r] + offsets[r] + byte, cl * itemsize);
         for (int d = 1; d < n; d++) {
             int q = (r + d) % n;
