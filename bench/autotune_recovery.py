@@ -1,9 +1,15 @@
 """Autotune: from a poor start (50 ms cycle time) back to near the best hand-set throughput.
 
 A steady gradient-exchange workload (a step = N tensors submitted
-asynchronously, then awaited) runs first under hand-set cycle times without
-autotune, then with HOROLITE_AUTOTUNE=1 starting from cycle_time_ms=50. Once
-the tuner has settled, its throughput is compared with the best hand-set one.
+asynchronously, then awaited) runs with HOROLITE_AUTOTUNE=1 starting from
+cycle_time_ms=50 until the tuner settles, and its throughput then is
+reported. The target compares the setting it chose with the hand-set cycle
+times: in each of --rounds rounds every hand-set cycle time and the tuner's
+setting (autotune off, its fusion threshold and cycle time set by hand) run
+back to back, so they see the machine within seconds of each other; the
+target is the median over rounds of the tuner's setting over the best
+hand-set one of the same round. (This VM's speed moves by 20% within a
+minute: one pass of each, minutes apart, compares the machine's moods.)
 
     horolite-run -np 2 python bench/autotune_recovery.py
 """
@@ -50,20 +56,15 @@ def main():
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--tensors", type=int, default=40)
     p.add_argument("--tensor-kib", type=int, default=64)
-    p.add_argument("--seconds", type=float, default=4.0, help="per hand-set measurement")
+    p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every setting back to back")
     args = p.parse_args()
     if args.tiny:
-        args.tensors, args.tensor_kib, args.seconds = 8, 4, 0.5
+        args.tensors, args.tensor_kib, args.seconds, args.rounds = 8, 4, 0.5, 1
     hvd.init()
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     tensors = [np.ones(args.tensor_kib * 256, np.float32) for _ in range(args.tensors)]
-
-    hand = {}
-    for cycle in (1, 5, 50):
-        configure(HOROLITE_CYCLE_TIME=cycle)
-        run_steps(tensors, min(1.0, args.seconds / 4), comm)  # warm the response cache
-        hand[cycle] = comm.allreduce(run_steps(tensors, args.seconds, comm), op=MPI.MIN)
 
     log = os.path.join(os.path.dirname(os.path.abspath(args.out or common.RESULTS + "/x")),
                        "autotune_recovery_log.csv")
@@ -80,21 +81,44 @@ def main():
         if settled or time.perf_counter() - start > limit:
             break
     settle_s = time.perf_counter() - start
-    tuned = comm.allreduce(run_steps(tensors, args.seconds, comm), op=MPI.MIN)
+    live = comm.allreduce(run_steps(tensors, args.seconds, comm), op=MPI.MIN)
     setting = basics.runtime()._setting
-    best = max(hand.values())
 
-    rows = [[f"hand-set cycle {c} ms", f"{hand[c] / 1e6:.1f}", ""] for c in sorted(hand)]
+    def measure(**env) -> float:
+        configure(**env)
+        run_steps(tensors, min(1.0, args.seconds / 4), comm)  # warm the response cache
+        return comm.allreduce(run_steps(tensors, args.seconds, comm), op=MPI.MIN)
+
+    cycles = (1, 5, 50)
+    rounds = []  # per round: {cycle: rate}, and "tuned"
+    for _ in range(args.rounds):
+        rates = {c: measure(HOROLITE_CYCLE_TIME=c) for c in cycles}
+        rates["tuned"] = measure(HOROLITE_CYCLE_TIME=setting[1],
+                                 HOROLITE_FUSION_THRESHOLD=setting[0])
+        rounds.append(rates)
+    ratios = [r["tuned"] / max(r[c] for c in cycles) for r in rounds]
+    ratio = float(np.median(ratios))
+    med = {k: float(np.median([r[k] for r in rounds])) for k in (*cycles, "tuned")}
+
+    rows = [[f"hand-set cycle {c} ms (median of {args.rounds} rounds)", f"{med[c] / 1e6:.1f}", ""]
+            for c in cycles]
     rows.append(["autotune, first 0.5 s (start: 50 ms)", f"{first / 1e6:.1f}", ""])
-    rows.append([f"autotune, settled after {settle_s:.0f} s", f"{tuned / 1e6:.1f}",
+    rows.append([f"autotune, settled after {settle_s:.0f} s", f"{live / 1e6:.1f}",
                  f"fusion {setting[0]} B, cycle {setting[1]:g} ms"])
-    targets = [common.Target("autotuned / best hand-set throughput", tuned / best, 0.8, "x", True,
-                             "the tuner's choice under this run's noise; see the log")]
+    rows.append([f"the tuner's setting, by hand (median of {args.rounds} rounds)",
+                 f"{med['tuned'] / 1e6:.1f}", f"fusion {setting[0]} B, cycle {setting[1]:g} ms"])
+    by_round = ", ".join(f"{x:.2f}" for x in ratios)
+    targets = [common.Target("autotuned setting / best hand-set throughput (median of rounds)",
+                             ratio, 0.8, "x", True,
+                             f"the tuner's choice under this run's noise (by round: {by_round}); "
+                             "see the log")]
     if args.tiny:
         targets = []
     common.finish(comm, args, "autotune_recovery",
-                  {"hand_set_bytes_per_s": {str(k): v for k, v in hand.items()},
-                   "autotune_first_bytes_per_s": first, "autotune_settled_bytes_per_s": tuned,
+                  {"hand_set_bytes_per_s": {str(c): med[c] for c in cycles},
+                   "rounds": [{str(k): v for k, v in r.items()} for r in rounds],
+                   "tuned_vs_best_by_round": ratios, "tuned_vs_best": ratio,
+                   "autotune_first_bytes_per_s": first, "autotune_settled_bytes_per_s": live,
                    "settle_seconds": settle_s, "setting": list(setting), "log": log},
                   ["configuration", "MB/s reduced", "setting"], rows, targets)
     hvd.shutdown()

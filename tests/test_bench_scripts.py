@@ -93,3 +93,6 @@ def test_autotune_recovery(tmp_path):
     doc = run_bench("autotune_recovery", tmp_path)
     assert set(doc["hand_set_bytes_per_s"]) == {"1", "5", "50"}
     assert doc["autotune_settled_bytes_per_s"] > 0 and len(doc["setting"]) == 2
+    assert len(doc["rounds"]) == 1 and set(doc["rounds"][0]) == {"1", "5", "50", "tuned"}
+    best = max(doc["rounds"][0][c] for c in ("1", "5", "50"))
+    assert doc["tuned_vs_best"] == pytest.approx(doc["rounds"][0]["tuned"] / best)
