@@ -152,12 +152,11 @@ LIMITS = {
     "vs_mpi": "when run across hosts or with HOROLITE_SHARED_MEMORY=0: MPICH moves every ring "
               "message through its own shared-memory bounce buffer (two copies), so each ring "
               "step costs about as much as MPI_Allreduce's own reduction steps",
-    "bound": "one core's copy speed: with results in the arena each rank reads its input once "
-             "and writes N of results with streaming stores (less traffic than the bound's "
-             "3N), but staging and reducing run on one core per rank, which reads one stream "
-             "from DRAM at 9-10 GB/s here while numpy.add reads two; a C model of one rank's "
-             "work with no waiting at all, two at once, runs at 1.1-1.3x the bound on this "
-             "VM, and the same code reads 1.13-1.54x from run to run (docs/benchmarks.md)",
+    "bound": "one core's memory streams: each rank reads its input once (half staged into "
+             "cache for the partner, half summed with the partner's staged half and streamed "
+             "to every result in the same pass, so reads and writes overlap), N of traffic "
+             "fewer than numpy.add's 3N, but on one core per rank; this VM's speed moves the "
+             "ratio by 0.1-0.2 from run to run (docs/benchmarks.md)",
     "1mib": "the fixed cost of a background cycle (control allreduce, cache bits, two thread "
             "hand-offs) on top of the ring",
 }
