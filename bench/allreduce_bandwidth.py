@@ -154,8 +154,8 @@ LIMITS = {
               "step costs about as much as MPI_Allreduce's own reduction steps",
     "bound": "one core's memory streams: each rank reads its input once (half staged into "
              "cache for the partner, half summed with the partner's staged half and streamed "
-             "to every result in the same pass, so reads and writes overlap), N of traffic "
-             "fewer than numpy.add's 3N, but on one core per rank; this VM's speed moves the "
+             "to every result in the same pass, so reads and writes overlap): 2N of memory "
+             "traffic against numpy.add's 3N, but on one core per rank; this VM's speed moves the "
              "ratio by 0.1-0.2 from run to run (docs/benchmarks.md)",
     "1mib": "the fixed cost of a background cycle (control allreduce, cache bits, two thread "
             "hand-offs) on top of the ring",
