@@ -16,6 +16,10 @@
  * rank reduces in place (src == dst, as a fused batch does), the call is
  * "shared": after block 0 nobody stages at all, and the owner of a segment
  * reads it from every rank's buffer directly.
+ * In both, a float32/float64 sum (or average) makes its last addition and the
+ * writes to every rank's result one pass (hl_sum_to_all): the owner's core
+ * then reads and writes memory at once instead of one after the other, which
+ * on a 2-core VM took 64 MiB from ~1.35x to ~1.1x the time of one numpy.add.
  * Each rank touches its input and output once, and the staged block is still
  * in cache when it is reduced: the point of the block size.
  * Progress counters (one cache line each) are monotonic across calls, so a
