@@ -98,13 +98,27 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def median_time(fn: Callable[[], object], iters: int, warmup: int = 2, comm=None,
-                setup: Optional[Callable[[], object]] = None) -> float:
-    """Median over `iters` runs of fn of the slowest rank's wall time, in seconds.
+def interleaved_median_times(fns: Dict[str, Callable[[], object]], iters: int, blocks: int = 4,
+                             warmup: int = 1, comm=None) -> Dict[str, float]:
+    """median_time of each of `fns`, measured in `blocks` rounds that run each fn for
+    about iters / blocks runs (after `warmup` of its own), one fn after the other.
 
-    Ranks line up on a barrier before each run, so every run starts together
-    and the slowest rank's time is the collective's time.
+    Numbers to be compared are then taken within a fraction of a second of each
+    other: this VM's speed moves by 10-30% over seconds, enough to flip a ratio
+    measured as two runs one after the other.
     """
+    per = max(1, -(-iters // blocks))
+    times = {name: [] for name in fns}
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            times[name].append(_times(fn, per, warmup, comm))
+    return {name: float(np.median(np.concatenate(t))) for name, t in times.items()}
+
+
+def _times(fn: Callable[[], object], iters: int, warmup: int, comm,
+           setup: Optional[Callable[[], object]] = None) -> np.ndarray:
+    """The slowest rank's wall time of each of `iters` runs of fn, after `warmup` runs
+    (setup, untimed, before each)."""
     times = np.empty(iters)
     for i in range(warmup + iters):
         if setup is not None:
@@ -121,7 +135,17 @@ def median_time(fn: Callable[[], object], iters: int, warmup: int = 2, comm=None
         slowest = np.empty_like(times)
         comm.Allreduce(times, slowest, op=MPI.MAX)
         times = slowest
-    return float(np.median(times))
+    return times
+
+
+def median_time(fn: Callable[[], object], iters: int, warmup: int = 2, comm=None,
+                setup: Optional[Callable[[], object]] = None) -> float:
+    """Median over `iters` runs of fn of the slowest rank's wall time, in seconds.
+
+    Ranks line up on a barrier before each run, so every run starts together
+    and the slowest rank's time is the collective's time.
+    """
+    return float(np.median(_times(fn, iters, warmup, comm, setup)))
 
 
 def busbw(nbytes: int, seconds: float, ranks: int) -> float:
