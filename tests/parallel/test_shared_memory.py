@@ -134,17 +134,20 @@ def test_in_place_with_postscale(shm, where):
 @needs_ranks
 @pytest.mark.parametrize("where", list(MODES))
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE], ids=lambda o: o.name)
-@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32"])
 def test_large_results_stream_into_every_rank(shm, dtype, op, where):
     # From 8 MiB (HL_STREAM_BYTES) results are written with streaming stores; a
     # float sum there is one pass that adds and writes every rank's result
-    # (hl_sum_to_all). The odd count puts segment starts off 16-byte boundaries
-    # for 3 ranks; int32 keeps the reduce-then-copy path. Values are integers, so
-    # the sum is exact whatever the order; an average is checked to rounding.
-    itemsize = np.dtype(dtype).itemsize
+    # (hl_sum_to_all) for float32/float64. The odd count puts segment starts off
+    # 16-byte boundaries for 3 ranks; float16, bfloat16 and int32 keep the
+    # reduce-then-copy path. Values are integers small enough for every dtype,
+    # so the sum is exact whatever the order; an average is checked to the
+    # dtype's rounding.
+    itemsize = np.dtype(np_dtype(dtype)).itemsize
     count = (8 << 20) // itemsize + 3 * (shm_mod.SLOT_BYTES // itemsize) // 2 + 11
     postscale = 1.0 / SIZE if op == ReduceOp.AVERAGE else 1.0
-    inputs = [make(q, count, dtype, ("large", op.name), 1000) for q in range(SIZE)]
+    high = 50 if itemsize == 2 else 1000  # sums of 4 ranks exact in bfloat16's 8 bits
+    inputs = [make(q, count, dtype, ("large", op.name), high) for q in range(SIZE)]
     dst = output(shm, where, count, inputs[RANK].dtype)
     if where == "arena-in-place":
         dst[:] = inputs[RANK]
@@ -157,7 +160,8 @@ def test_large_results_stream_into_every_rank(shm, dtype, op, where):
     if op == ReduceOp.SUM or dtype == "int32":
         np.testing.assert_array_equal(dst.astype(np.float64), want)
     else:
-        np.testing.assert_allclose(dst.astype(np.float64), want, rtol=1e-6, atol=0)
+        rtol = {"float16": 1e-3, "bfloat16": 8e-3}.get(dtype, 1e-6)  # half an ulp and a bit
+        np.testing.assert_allclose(dst.astype(np.float64), want, rtol=rtol, atol=0)
     everyone = COMM.allgather(zlib.crc32(dst.tobytes()))
     assert len(set(everyone)) == 1, everyone
 
