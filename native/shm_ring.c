@@ -102,6 +102,13 @@ static int reduce_segment(char *const *slots, int n, int r, size_t at, const cha
     return rc;
 }
 
+/* Whether an owner's last addition and its writes to every result can be one
+ * pass (hl_sum_to_all) */
+static int one_pass(int op, int n, int dtype)
+{
+    return op == HL_SUM && n <= HL_SHM_MAX_FUSED_RANKS && hl_has_sum_to_all(dtype);
+}
+
 /* Direct mode, owner side, for a sum: one chunk of my segment (staged copies at
  * `at` in the slots, my input at `in`) summed and written to every rank's result
  * at byte `out_at` in the same pass as its last addition (hl_sum_to_all). With
@@ -140,7 +147,7 @@ static int reduce_shared(char *const *arenas, const int64_t *offsets, int n, int
 {
     char scratch[CHUNK_BYTES] __attribute__((aligned(64)));
     const size_t chunk = sizeof scratch / itemsize;
-    const int fused = op == HL_SUM && n <= HL_SHM_MAX_FUSED_RANKS && hl_has_sum_to_all(dtype);
+    const int fused = one_pass(op, n, dtype);
     void *outs[HL_SHM_MAX_FUSED_RANKS];
     for (size_t c = at; c < at + len; c += chunk) {
         const size_t cl = (at + len - c < chunk) ? at + len - c : chunk;
@@ -268,8 +275,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
                     return rc;
             } else {
                 /* direct: my segment goes from cache straight into every rank's result */
-                const int fused = op == HL_SUM && n <= HL_SHM_MAX_FUSED_RANKS &&
-                                  hl_has_sum_to_all(dtype);
+                const int fused = one_pass(op, n, dtype);
                 for (size_t c = a; c < a + len; c += chunk) {
                     size_t cl = (a + len - c < chunk) ? a + len - c : chunk;
                     size_t at = slot_off + c * itemsize;
