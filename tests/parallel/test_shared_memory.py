@@ -93,6 +93,20 @@ def test_open_only_with_peers_and_when_enabled(shm):
 MODES = {"private": "gather", "arena": "direct", "arena-in-place": "shared"}
 
 
+def reduce_where(shm, where, mine, op, postscale, what):
+    """(src, dst) after reducing this rank's `mine` with the result where `where`
+    says (MODES), checking the mode the call took."""
+    dst = output(shm, where, mine.size, mine.dtype)
+    if where == "arena-in-place":
+        dst[:] = mine
+        src = dst
+    else:
+        src = mine.copy()
+    shm.allreduce(src, dst, op, postscale, what=what)
+    assert shm.last_mode == MODES[where]
+    return src, dst
+
+
 @needs_ranks
 @pytest.mark.parametrize("where", list(MODES))
 @pytest.mark.parametrize("op", OPS, ids=lambda o: o.name)
@@ -103,14 +117,7 @@ def test_matches_numpy(shm, dtype, op, where):
     for count in sizes(dtype):
         key = (dtype, op.name, count)
         inputs = [make(q, count, dtype, key, high) for q in range(SIZE)]
-        dst = output(shm, where, count, inputs[RANK].dtype)
-        if where == "arena-in-place":
-            dst[:] = inputs[RANK]
-            src = dst
-        else:
-            src = inputs[RANK].copy()
-        shm.allreduce(src, dst, op, postscale, what=f"tensor 't{count}'")
-        assert shm.last_mode == MODES[where]
+        src, dst = reduce_where(shm, where, inputs[RANK], op, postscale, f"tensor 't{count}'")
         assert src is dst or np.array_equal(src, inputs[RANK]), "the input was modified"
         want = reference(op, inputs, dtype)
         got = dst.astype(np.float64)
@@ -148,14 +155,7 @@ def test_large_results_stream_into_every_rank(shm, dtype, op, where):
     postscale = 1.0 / SIZE if op == ReduceOp.AVERAGE else 1.0
     high = 50 if itemsize == 2 else 1000  # sums of 4 ranks exact in bfloat16's 8 bits
     inputs = [make(q, count, dtype, ("large", op.name), high) for q in range(SIZE)]
-    dst = output(shm, where, count, inputs[RANK].dtype)
-    if where == "arena-in-place":
-        dst[:] = inputs[RANK]
-        src = dst
-    else:
-        src = inputs[RANK].copy()
-    shm.allreduce(src, dst, op, postscale, what="tensor 'large'")
-    assert shm.last_mode == MODES[where]
+    _, dst = reduce_where(shm, where, inputs[RANK], op, postscale, "tensor 'large'")
     want = reference(op, inputs, dtype)
     if op == ReduceOp.SUM or dtype == "int32":
         np.testing.assert_array_equal(dst.astype(np.float64), want)
