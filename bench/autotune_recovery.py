@@ -45,8 +45,9 @@ def run_steps(tensors, seconds: float, comm) -> float:
 
 def configure(**env) -> None:
     hvd.shutdown()
-    for key in ("HOROLITE_CYCLE_TIME", "HOROLITE_AUTOTUNE", "HOROLITE_AUTOTUNE_START",
-                "HOROLITE_AUTOTUNE_LOG"):
+    # Every variable any measurement sets: none may carry over into the next one.
+    for key in ("HOROLITE_CYCLE_TIME", "HOROLITE_FUSION_THRESHOLD", "HOROLITE_AUTOTUNE",
+                "HOROLITE_AUTOTUNE_START", "HOROLITE_AUTOTUNE_LOG"):
         os.environ.pop(key, None)
     os.environ.update({k: str(v) for k, v in env.items()})
     hvd.init()
