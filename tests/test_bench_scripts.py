@@ -74,10 +74,14 @@ def test_training_throughput(tmp_path):
     (round_,) = doc["rounds"]
     assert round_["no_exchange"]["images_per_sec"] > 0
     assert len(doc["no_exchange_vs_single_by_round"]) == len(doc["horolite_vs_no_exchange_by_round"]) == 1
-    # the efficiency target's reading: interleaved blocks of the four, in the same processes
-    # (one_rank: the horolite step as a job of rank 0 alone)
-    assert all(len(doc["blocks"][k]) == 2 for k in ("single", "one_rank", "no_exchange", "horolite"))
+    # both targets' reading: interleaved blocks of the five, in the same processes
+    # (one_rank: the horolite step as a job of rank 0 alone; mwms: its kept workers)
+    assert set(doc["blocks"]) == {"single", "one_rank", "no_exchange", "horolite", "mwms"}
+    assert all(len(v) == 2 for v in doc["blocks"].values())
     assert min(min(v) for v in doc["blocks"].values()) > 0
+    assert doc["ratios_vs_mwms_by_block"] == [h / m for h, m in zip(doc["blocks"]["horolite"],
+                                                                      doc["blocks"]["mwms"])]
+    assert doc["ratio_vs_mwms"] == sorted(doc["ratios_vs_mwms_by_block"])[1]
     assert doc["efficiencies_by_block"] == [h / (2 * o) for h, o in zip(doc["blocks"]["horolite"],
                                                                          doc["blocks"]["one_rank"])]
     assert doc["scaling_efficiency"] == sorted(doc["efficiencies_by_block"])[1]
