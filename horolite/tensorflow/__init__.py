@@ -21,7 +21,7 @@ from horolite.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 from .compression import Compression
 from .functions import (allgather_object, broadcast_global_variables, broadcast_object,
-                        broadcast_variables)
+                        broadcast_variables, variable_ref)
 from .gradients import GradientReducer, LocalAggregator, check_arguments
 from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allreduce, join,
                       rank_op, reducescatter, size_op)
@@ -65,13 +65,18 @@ class _DistributedGradientTapeMixin:
 
     def register_local_source(self, source):
         """Gradients of `source` stay local: they are returned as computed, never reduced."""
-        self._horolite_local.add(source.ref())
+        ref = variable_ref(source)
+        if ref is None:
+            raise ValueError(f"register_local_source: expected a variable (tf.Variable or Keras), "
+                             f"got {type(source).__name__}")
+        self._horolite_local.add(ref)
 
     def _horolite_aggregator(self, sources) -> LocalAggregator:
-        if not all(isinstance(s, tf.Variable) for s in sources):
-            raise ValueError("backward_passes_per_step > 1 needs tf.Variable sources, "
-                             "since gradients are accumulated in variables of their shape")
-        key = (tuple(s.ref() for s in sources), self._horolite_passes, self._horolite_average)
+        refs = tuple(variable_ref(s) for s in sources)
+        if any(r is None for r in refs):
+            raise ValueError("backward_passes_per_step > 1 needs variable sources (tf.Variable or "
+                             "Keras), since gradients are accumulated in variables of their shape")
+        key = (refs, self._horolite_passes, self._horolite_average)
         agg = _tape_aggregators.get(key)
         if agg is None:
             agg = _tape_aggregators[key] = LocalAggregator(self._horolite_passes, self._horolite_average,
@@ -85,7 +90,7 @@ class _DistributedGradientTapeMixin:
                                  unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads)
-        local = [hasattr(s, "ref") and _is_ref_in(s, self._horolite_local) for s in flat_sources]
+        local = [variable_ref(s) in self._horolite_local for s in flat_sources]
         if self._horolite_passes > 1:
             agg = self._horolite_aggregator(flat_sources)
             reduced = agg(flat_grads, flat_sources, local)
@@ -95,13 +100,6 @@ class _DistributedGradientTapeMixin:
             reduced = self._horolite_reducer(flat_grads, flat_sources, local)
             self.gradients_ready = True
         return tf.nest.pack_sequence_as(grads, reduced)
-
-
-def _is_ref_in(source, refs) -> bool:
-    try:
-        return source.ref() in refs
-    except (TypeError, AttributeError):
-        return False
 
 
 def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",

@@ -22,6 +22,20 @@ def variable_name(var, index: int) -> str:
     return f"{index}.{label.replace(':', '_')}"
 
 
+def variable_ref(var):
+    """A hashable identity for a tf.Variable or a Keras 3 variable, else None.
+
+    Keras 3 variables are not tf.Variables: they have no .ref() and are not
+    hashable, but each wraps one tf.Variable, whose reference serves."""
+    if isinstance(var, tf.Variable):
+        return var.ref()
+    if hasattr(var, "path"):  # Keras 3
+        inner = getattr(var, "value", None)
+        if isinstance(inner, tf.Variable):
+            return inner.ref()
+    return None
+
+
 def broadcast_variables(variables, root_rank: int, name: Optional[str] = None):
     """Assign root_rank's value to every variable on every rank.
 

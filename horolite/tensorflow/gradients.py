@@ -20,7 +20,7 @@ import horolite as _core
 from horolite.ops import ReduceOp
 
 from .compression import Compression
-from .functions import variable_name
+from .functions import variable_name, variable_ref
 from .mpi_ops import (_check_op, _enqueue, graph_unique_name, grouped_allreduce_submit,
                       run_alone, wait)
 
@@ -64,7 +64,13 @@ class GradientReducer:
         # a gradient's exchange start while backprop is still computing the others.
         self.num_groups = None if num_groups is None and groups is None else int(num_groups or 0)
         if groups is not None:
-            groups = [[v.ref() for v in group] for group in groups]
+            refs = [[variable_ref(v) for v in group] for group in groups]
+            for group, group_refs in zip(groups, refs):
+                for v, ref in zip(group, group_refs):
+                    if ref is None:
+                        raise ValueError(f"groups: expected lists of variables (tf.Variable or "
+                                         f"Keras), got {type(v).__name__} {v!r:.80}")
+            groups = refs
             seen = [r for group in groups for r in group]
             if len(seen) != len(set(seen)):
                 raise ValueError("groups: a variable appears in more than one group")
@@ -79,7 +85,8 @@ class GradientReducer:
             singles = []
             for i in dense:
                 var = variables[i] if variables is not None else None
-                k = where.get(var.ref()) if isinstance(var, tf.Variable) else None
+                ref = variable_ref(var)
+                k = where.get(ref) if ref is not None else None
                 if k is None:
                     singles.append([i])
                 else:

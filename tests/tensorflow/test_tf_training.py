@@ -355,6 +355,60 @@ class Recorder(keras.callbacks.Callback):
         self.losses.append(logs["loss"])
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_tape_options_take_keras_variables(mode, monkeypatch):
+    # Keras 3 variables are not tf.Variables (no .ref(), unhashable): groups,
+    # register_local_source and local aggregation must still know them.
+    model = keras_model()
+    kernel, bias = model.layers[0].kernel, model.layers[0].bias
+    local = keras.Variable(float(R), name="local")
+    x, y = tf.constant(X[LO:HI]), tf.constant(Y[LO:HI])
+    err = X[LO:HI] @ W0 + B0 - Y[LO:HI]
+    mine = 2 * X[LO:HI].T @ err / err.size
+    expect = np.mean(hvd.allgather_object(mine), axis=0)
+
+    for kwargs in [{}, {"groups": [[kernel, bias]]}, {"groups": [[bias], [kernel]]}]:
+        def grads():
+            with tf.GradientTape() as t:
+                loss = tf.reduce_mean(tf.square(model(x) - y)) + local * local
+            tape = hvd.DistributedGradientTape(t, **kwargs)
+            tape.register_local_source(local)
+            return tape.gradient(loss, [kernel, bias, local])
+
+        if mode == "eager":  # the groups are kept: one request per group
+            import horolite
+            from horolite.tensorflow import mpi_ops
+            requests = []
+            grouped, single = mpi_ops._grouped_allreduce_async, horolite.allreduce_async
+            monkeypatch.setattr(mpi_ops, "_grouped_allreduce_async",
+                                lambda arrays, *a, **kw: requests.append(len(arrays)) or grouped(arrays, *a, **kw))
+            monkeypatch.setattr(horolite, "allreduce_async",
+                                lambda *a, **kw: requests.append(1) or single(*a, **kw))
+        gk, gb, gl = (tf.function(grads) if mode == "function" else grads)()
+        if mode == "eager":
+            monkeypatch.undo()
+            assert sorted(requests) == sorted(len(g) for g in kwargs.get("groups", [[kernel, bias]]))
+        np.testing.assert_allclose(gk.numpy(), expect, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(gl.numpy(), 2.0 * R)  # local: not reduced
+    with pytest.raises(ValueError, match="groups"):
+        hvd.DistributedGradientTape(tf.GradientTape(), groups=[[kernel, "not a variable"]])
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        tape = hvd.DistributedGradientTape(tape, backward_passes_per_step=4, op=hvd.Sum)
+        gk, gb = tape.gradient(loss, [kernel, bias])
+        kernel.assign_sub(LR * gk)
+        bias.assign_sub(LR * gb)
+        return tape.gradients_ready
+
+    step = tf.function(step) if mode == "function" else step
+    for i in range(4):
+        ready = step(tf.constant(X[minibatch(i)]), tf.constant(Y[minibatch(i)]))
+        assert bool(ready) == (i == 3)
+    np.testing.assert_allclose(kernel.numpy(), W0 - LR * local_grad_sum(4), rtol=1e-5, atol=1e-6)
+
+
 def test_keras_fit_equivalence_and_callbacks():
     # Differently initialised ranks: the broadcast callback makes them equal to rank 0 (W0).
     model = keras_model(W0 + R, B0 + R)
