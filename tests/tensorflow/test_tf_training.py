@@ -429,6 +429,35 @@ def test_keras_fit_equivalence_and_callbacks():
         np.testing.assert_allclose(other, losses[0], rtol=1e-6)
 
 
+def test_keras_save_then_load_model_resumes(tmp_path):
+    # A model saved with a DistributedOptimizer loads in plain Keras (as the optimizer it
+    # wrapped), and hvd.load_model wraps it again with its state (momentum, iterations).
+    def fit(model, epochs):
+        model.fit(X[LO:HI], Y[LO:HI], batch_size=max(1, (HI - LO) // 2), epochs=epochs,
+                  shuffle=False, verbose=0)
+
+    model = keras_model()
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=0.9)),
+                  loss="mse", jit_compile=False)
+    fit(model, 1)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    plain = keras.models.load_model(path)
+    assert type(plain.optimizer) is keras.optimizers.SGD
+    loaded = hvdk.load_model(path)
+    assert isinstance(loaded.optimizer, keras.optimizers.SGD)
+    assert hasattr(loaded.optimizer, "_horolite_reducer")
+    assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) > 0
+    fit(model, 2)
+    fit(loaded, 2)
+    for a, b in zip(model.get_weights(), loaded.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    # ... and every rank trained the same model (the gradients were averaged)
+    kernels = hvd.allgather_object(loaded.layers[0].get_weights()[0])
+    for k in kernels:
+        np.testing.assert_allclose(k, kernels[0], rtol=1e-6)
+
+
 def test_keras_local_aggregation_and_warmup():
     model = keras_model()
     opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(LR), backward_passes_per_step=4,

@@ -27,7 +27,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "cross_rank", "cross_size", "mpi_threads_supported", "Average", "Sum", "Adasum", "Min",
            "Max", "Product", "Compression", "allreduce", "grouped_allreduce", "allgather",
            "broadcast", "join", "broadcast_variables", "broadcast_object", "allgather_object",
-           "DistributedOptimizer", "callbacks", "broadcast_global_variables"]
+           "DistributedOptimizer", "load_model", "callbacks", "broadcast_global_variables"]
 
 
 class _DistributedMixin:
@@ -84,11 +84,44 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}", compression,
                               sparse_as_dense, op, gradient_predivide_factor, num_groups, groups)
-    cls = type(type(optimizer).__name__, (_DistributedMixin, type(optimizer)), {})
-    config = optimizer.get_config()
-    new = cls.from_config(config)
+    new = _distributed_class(type(optimizer)).from_config(optimizer.get_config())
     new._horolite_setup(reducer, int(backward_passes_per_step), average_aggregated_gradients)
     return new
+
+
+_classes = {}
+
+
+def _distributed_class(base: type) -> type:
+    """The subclass of optimizer class `base` that reduces gradients first, one per class.
+
+    It carries base's module and name, so a saved model names the class it
+    wrapped: keras.models.load_model gives that plain optimizer back (as it does
+    for Horovod's), and load_model below wraps it again."""
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(base.__name__, (_DistributedMixin, base),
+                                    {"__module__": base.__module__, "__qualname__": base.__qualname__})
+    return cls
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
+    """keras.models.load_model, with the saved optimizer wrapped in DistributedOptimizer.
+
+    The optimizer keeps the state it was saved with (iterations, slots), so
+    training resumes where it stopped. custom_optimizers: optimizer classes of
+    your own that the file names (added to custom_objects by class name)."""
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or ():
+        objects.setdefault(cls.__name__, cls)
+    model = tf.keras.models.load_model(filepath, custom_objects=objects)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not isinstance(optimizer, _DistributedMixin):
+        # Wrapped in place, not rebuilt from its config: that would drop its state.
+        optimizer.__class__ = _distributed_class(type(optimizer))
+        optimizer._horolite_setup(GradientReducer(f"Distributed{type(optimizer).__name__}",
+                                                  compression), 1, False)
+    return model
 
 
 def broadcast_global_variables(root_rank):
