@@ -429,6 +429,36 @@ def test_keras_fit_equivalence_and_callbacks():
         np.testing.assert_allclose(other, losses[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("staircase", [True, False])
+def test_keras_learning_rate_schedule(staircase):
+    # Horovod's schedule: initial_lr * multiplier(epoch) inside [start_epoch, end_epoch), per
+    # epoch (staircase) or per batch with the epoch fractional; untouched outside.
+    model = keras_model()
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse",
+                  jit_compile=False)
+    rec = Recorder()
+    batch_size = max(1, (HI - LO) // 2)
+    steps = -(-(HI - LO) // batch_size)
+    sched = hvdk.callbacks.LearningRateScheduleCallback(0.4, lambda e: 0.5 ** e, start_epoch=1,
+                                                        end_epoch=3, staircase=staircase)
+    const = hvdk.callbacks.LearningRateScheduleCallback(0.4, 0.25, start_epoch=3)
+    history = model.fit(X[LO:HI], Y[LO:HI], batch_size=batch_size, epochs=4,
+                        verbose=0, callbacks=[sched, const, rec])
+    expect = []
+    for epoch in range(4):
+        for batch in range(steps):
+            e = epoch if staircase else epoch + batch / steps
+            if epoch == 0:
+                expect.append(0.05)
+            elif epoch < 3:
+                expect.append(0.4 * 0.5 ** e)
+            else:
+                expect.append(0.1)
+    np.testing.assert_allclose(rec.lrs, expect, rtol=1e-6)
+    np.testing.assert_allclose(history.history["lr"], [expect[k * steps + steps - 1] for k in range(4)],
+                               rtol=1e-6)
+
+
 def test_keras_save_then_load_model_resumes(tmp_path):
     # A model saved with a DistributedOptimizer loads in plain Keras (as the optimizer it
     # wrapped), and hvd.load_model wraps it again with its state (momentum, iterations).
