@@ -7,7 +7,10 @@
 Importing horolite does not import TensorFlow, CuPy or even MPI: MPI starts at init().
 """
 from .basics import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
-                     local_size, mpi_threads_supported, rank, shutdown, size)
+                     local_size, mpi_threads_supported, rank, shutdown, size, start_timeline,
+                     stop_timeline)
+from .capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,
+                           mpi_enabled, nccl_built, rocm_built)
 from .collectives import (allgather, allgather_async, allreduce, allreduce_async, alltoall,
                           alltoall_async, barrier, broadcast, broadcast_async, grouped_allreduce,
                           grouped_allreduce_async, join, join_async, poll, reducescatter, reducescatter_async,
@@ -22,6 +25,8 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
+    "start_timeline", "stop_timeline", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+    "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "barrier", "join", "join_async", "poll", "synchronize", "Handle",

@@ -9,7 +9,8 @@ from . import log
 from .errors import NotInitializedError
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "runtime"]
+           "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "runtime",
+           "start_timeline", "stop_timeline"]
 
 _lock = threading.Lock()
 _runtime = None
@@ -105,3 +106,20 @@ def mpi_threads_supported() -> bool:
     runtime()
     from mpi4py import MPI
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record a timeline to file_path from now on (rank r > 0 writes file_path with
+    `.rank<r>` before the extension), as HOROLITE_TIMELINE does from init(). A
+    timeline already recording is closed first."""
+    if not file_path:
+        raise ValueError("start_timeline: file_path is empty")
+    from .timeline import Timeline
+    rt = runtime()
+    rt.set_timeline(Timeline(str(file_path), rt.rank), bool(mark_cycles))
+
+
+def stop_timeline() -> None:
+    """Stop recording and close the timeline file (the file stays valid JSON)."""
+    from .timeline import NullTimeline
+    runtime().set_timeline(NullTimeline(), False)

@@ -81,6 +81,7 @@ class Runtime:
         self.queue = TensorQueue()
         self.cache = ResponseCache(cfg.cache_capacity)
         self.timeline = open_timeline(cfg.timeline, self.rank)
+        self._mark_cycles = cfg.timeline_mark_cycles
         self.executor = Executor(self.transport, self.queue, cfg.fusion_threshold, self.timeline)
         # GPU path (device.py, transport/nccl.py): collective over comm; NCCL only when every
         # rank has a GPU, else None and the reason device arrays are refused.
@@ -132,6 +133,14 @@ class Runtime:
             self.nccl.close()  # GPU path: free the communicator so a later init() makes a new one
         self.timeline.close()
 
+    def set_timeline(self, timeline, mark_cycles: bool) -> None:
+        """Swap the timeline (start_timeline/stop_timeline). The background thread may
+        still write a span to the old one: closed, it drops it."""
+        old, self.timeline = self.timeline, timeline
+        self.executor.timeline = timeline
+        self._mark_cycles = mark_cycles
+        old.close()
+
     # ---- background thread ----
     def _loop(self) -> None:
         idle_cycles = 0
@@ -175,7 +184,7 @@ class Runtime:
     def _cycle(self) -> bool:
         """One negotiate-fuse-execute round; False when the runtime must stop."""
         now = time.monotonic()
-        if self.config.timeline_mark_cycles:
+        if self._mark_cycles:
             self.timeline.instant("CYCLE_START")
         lookup = self.cache.lookup if self.cache.capacity else None
         waiting = self._waiting

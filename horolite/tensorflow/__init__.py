@@ -13,8 +13,10 @@ from typing import Optional
 
 import tensorflow as tf
 
-from horolite import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
-                      local_size, mpi_threads_supported, rank, shutdown, size)
+from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
+                      mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
+                      shutdown, size, start_timeline, stop_timeline)
 from horolite.errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
                              ShutdownError, StallError, TensorMismatchError)
 from horolite.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
@@ -29,6 +31,8 @@ from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, groupe
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
+    "start_timeline", "stop_timeline", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+    "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
     "join", "barrier", "size_op", "rank_op", "Compression",

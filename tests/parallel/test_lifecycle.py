@@ -55,6 +55,39 @@ def test_timeline_is_json_with_every_phase():
     assert "ALLGATHER" in {e["name"] for e in events if e.get("tid") == rows["tl.gather"]}
 
 
+def test_timeline_starts_and_stops_at_run_time():
+    # Horovod's start_timeline/stop_timeline: a second file for a window of collectives,
+    # valid JSON once stopped, then nothing more is written to it.
+    path = os.path.join(OUTDIR, "window.json")
+    mine = path if RANK == 0 else path.replace(".json", f".rank{RANK}.json")
+    hvd.start_timeline(path, mark_cycles=True)
+    np.testing.assert_allclose(hvd.allreduce(np.full(8, RANK + 1.0), op=hvd.Sum, name="window.in"),
+                               np.full(8, SIZE * (SIZE + 1) / 2))
+    hvd.stop_timeline()
+    hvd.allreduce(np.ones(8), name="window.after")
+    events = json.load(open(mine))
+    names = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert "window.in" in names and "window.after" not in names
+    assert any(e.get("name") == "CYCLE_START" for e in events)
+    with pytest.raises(ValueError, match="file_path"):
+        hvd.start_timeline("")
+    # ... and the runtime goes on as before
+    np.testing.assert_allclose(hvd.allreduce(np.ones(3), op=hvd.Sum, name="window.later"), np.full(3, SIZE))
+
+
+def test_capabilities_say_what_this_install_has():
+    assert hvd.mpi_built() and hvd.mpi_enabled()
+    assert not (hvd.gloo_built() or hvd.gloo_enabled() or hvd.rocm_built() or hvd.ddl_built()
+                or hvd.ccl_built())
+    try:
+        import cupy  # noqa: F401
+        has_cupy = True
+    except ImportError:
+        has_cupy = False
+    assert hvd.cuda_built() == has_cupy
+    assert hvd.nccl_built() <= hvd.cuda_built()
+
+
 @multi
 def test_stall_is_reported_with_missing_ranks():
     capture = Capture()
