@@ -26,7 +26,7 @@ from .functions import (allgather_object, broadcast_global_variables, broadcast_
                         broadcast_variables, variable_ref)
 from .gradients import GradientReducer, LocalAggregator, check_arguments
 from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allreduce, join,
-                      rank_op, reducescatter, size_op)
+                      local_rank_op, local_size_op, rank_op, reducescatter, size_op)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -35,7 +35,7 @@ __all__ = [
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-    "join", "barrier", "size_op", "rank_op", "Compression",
+    "join", "barrier", "size_op", "rank_op", "local_size_op", "local_rank_op", "Compression",
     "broadcast_variables", "broadcast_object", "allgather_object",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook",
     "DistributedGradientTape", "DistributedOptimizer",

@@ -38,7 +38,7 @@ from horolite.errors import HorovodInternalError, NotInitializedError, ShutdownE
 from horolite.ops import Average, ReduceOp
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall",
-           "reducescatter", "join", "barrier", "size_op", "rank_op",
+           "reducescatter", "join", "barrier", "size_op", "rank_op", "local_size_op", "local_rank_op",
            "enqueue_allreduce", "enqueue_grouped_allreduce", "grouped_allreduce_submit", "wait",
            "run_alone",
            "to_tf_error", "graph_unique_name"]
@@ -509,3 +509,11 @@ def size_op() -> tf.Tensor:
 
 def rank_op() -> tf.Tensor:
     return tf.constant(_core.rank(), tf.int32)
+
+
+def local_size_op() -> tf.Tensor:
+    return tf.constant(_core.local_size(), tf.int32)
+
+
+def local_rank_op() -> tf.Tensor:
+    return tf.constant(_core.local_rank(), tf.int32)

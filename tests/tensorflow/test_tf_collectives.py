@@ -259,6 +259,12 @@ def test_basics_reexported():
     assert hvd.rank() == R and hvd.size() == N and hvd.is_initialized()
     assert 0 <= hvd.local_rank() < hvd.local_size()
     assert isinstance(hvd.mpi_threads_supported(), bool)
+    # the topology as ops, eagerly and in a graph
+    ops = (hvd.rank_op, hvd.size_op, hvd.local_rank_op, hvd.local_size_op)
+    expect = [R, N, hvd.local_rank(), hvd.local_size()]
+    assert [int(op()) for op in ops] == expect
+    assert [int(t) for t in tf.function(lambda: [op() for op in ops])()] == expect
+    assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.gloo_built()
     with pytest.raises(ValueError, match="Adasum"):
         hvd.allreduce(tf.constant([1.0]), op=hvd.Adasum)
 
