@@ -294,13 +294,12 @@ def test_local_aggregation_graph(average):
     assert [h[1] for h in history] == [0, 0, 0, 1, 1, 1, 1, 2]  # global_step: applied steps
 
 
-@pytest.mark.parametrize("mode", ["eager", "function"])
-def test_local_aggregation_tape_and_eager_optimizer(mode):
-    w, b = tf.Variable(W0), tf.Variable(B0)
-
+def four_aggregated_passes(loss_of, w, b, mode):
+    """SGD on (w, b) through a tape with backward_passes_per_step=4 and Sum, over this
+    rank's 4 minibatches: only the 4th call communicates (and changes w, from W0)."""
     def step(x, y):
         with tf.GradientTape() as tape:
-            loss = loss_fn(w, b, x, y)
+            loss = loss_of(x, y)
         tape = hvd.DistributedGradientTape(tape, backward_passes_per_step=4, op=hvd.Sum)
         gw, gb = tape.gradient(loss, [w, b])
         w.assign_sub(LR * gw)  # zeros on the calls that do not communicate
@@ -313,6 +312,12 @@ def test_local_aggregation_tape_and_eager_optimizer(mode):
         assert bool(ready) == (i == 3)
         if i < 3:
             np.testing.assert_array_equal(w.numpy(), W0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_local_aggregation_tape_and_eager_optimizer(mode):
+    w, b = tf.Variable(W0), tf.Variable(B0)
+    four_aggregated_passes(lambda x, y: loss_fn(w, b, x, y), w, b, mode)
     np.testing.assert_allclose(w.numpy(), W0 - LR * local_grad_sum(4), rtol=1e-5, atol=1e-6)
 
     # The legacy optimizer eagerly (Horovod refuses this; horolite supports it).
@@ -393,19 +398,7 @@ def test_tape_options_take_keras_variables(mode, monkeypatch):
     with pytest.raises(ValueError, match="groups"):
         hvd.DistributedGradientTape(tf.GradientTape(), groups=[[kernel, "not a variable"]])
 
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x) - y))
-        tape = hvd.DistributedGradientTape(tape, backward_passes_per_step=4, op=hvd.Sum)
-        gk, gb = tape.gradient(loss, [kernel, bias])
-        kernel.assign_sub(LR * gk)
-        bias.assign_sub(LR * gb)
-        return tape.gradients_ready
-
-    step = tf.function(step) if mode == "function" else step
-    for i in range(4):
-        ready = step(tf.constant(X[minibatch(i)]), tf.constant(Y[minibatch(i)]))
-        assert bool(ready) == (i == 3)
+    four_aggregated_passes(lambda x, y: tf.reduce_mean(tf.square(model(x) - y)), kernel, bias, mode)
     np.testing.assert_allclose(kernel.numpy(), W0 - LR * local_grad_sum(4), rtol=1e-5, atol=1e-6)
 
 
