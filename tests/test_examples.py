@@ -44,3 +44,10 @@ def test_digits_same_accuracy_on_one_and_two_ranks():
 def test_tensorflow_examples(name):
     out = run_example(name, 2)
     assert "[0]<stdout>:" in out
+    if name == "keras_fit.py":  # the resume from rank 0's checkpoint carries on training
+        saved = re.search(r"test accuracy: [\d.]+ at iteration (\d+)", out)
+        resumed = re.search(r"resumed from digits.keras at iteration (\d+): test accuracy: ([\d.]+)", out)
+        assert saved and resumed, out[-3000:]
+        # 6 epochs saved, 8 after the resume: the loaded optimizer kept its iteration count
+        assert int(resumed.group(1)) * 6 == int(saved.group(1)) * 8 > 0, out[-3000:]
+        assert float(resumed.group(2)) > 0.8
