@@ -402,6 +402,16 @@ def test_tape_options_take_keras_variables(mode, monkeypatch):
     np.testing.assert_allclose(kernel.numpy(), W0 - LR * local_grad_sum(4), rtol=1e-5, atol=1e-6)
 
 
+def test_keras_module_has_horovods_names():
+    # horovod.tensorflow.keras's functions, so `import horolite.tensorflow.keras as hvd` is enough
+    assert hvdk.size() == N and hvdk.is_homogeneous() in (True, False)
+    assert hvdk.mpi_built() and hvdk.mpi_enabled() and not hvdk.gloo_built()
+    rows = np.arange(N * 2, dtype=np.float32).reshape(N * 2, 1) + R
+    mine = hvdk.reducescatter(tf.constant(rows), op=hvdk.Sum).numpy()
+    total = sum(np.arange(N * 2, dtype=np.float32).reshape(N * 2, 1) + r for r in range(N))
+    np.testing.assert_allclose(mine, total[2 * R:2 * R + 2])
+
+
 def test_keras_fit_equivalence_and_callbacks():
     # Differently initialised ranks: the broadcast callback makes them equal to rank 0 (W0).
     model = keras_model(W0 + R, B0 + R)

@@ -14,19 +14,24 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from horolite import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
-                      mpi_threads_supported, rank, shutdown, size)
+from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
+                      mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
+                      shutdown, size, start_timeline, stop_timeline)
 from horolite.ops import Adasum, Average, Max, Min, Product, Sum
 
 from .. import (Compression, allgather, allgather_object, allreduce, broadcast, broadcast_object,
-                broadcast_variables, grouped_allreduce, join)
+                broadcast_variables, grouped_allreduce, join, reducescatter)
 from ..gradients import GradientReducer, LocalAggregator, check_arguments
 from . import callbacks
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "cross_rank", "cross_size", "mpi_threads_supported", "Average", "Sum", "Adasum", "Min",
+           "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
+           "start_timeline", "stop_timeline", "mpi_built", "mpi_enabled", "gloo_built",
+           "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
+           "Average", "Sum", "Adasum", "Min",
            "Max", "Product", "Compression", "allreduce", "grouped_allreduce", "allgather",
-           "broadcast", "join", "broadcast_variables", "broadcast_object", "allgather_object",
+           "broadcast", "reducescatter", "join", "broadcast_variables", "broadcast_object", "allgather_object",
            "DistributedOptimizer", "load_model", "callbacks", "broadcast_global_variables"]
 
 
