@@ -192,6 +192,17 @@ def test_constructor_errors():
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), backward_passes_per_step=0)
 
 
+def test_tape_refuses_sources_that_are_not_variables():
+    x = tf.constant(2.0)
+    with pytest.raises(ValueError, match="register_local_source: expected a variable .* got EagerTensor"):
+        hvd.DistributedGradientTape(tf.GradientTape()).register_local_source(x)
+    with tf.GradientTape() as t:
+        t.watch(x)
+        y = x * x
+    with pytest.raises(ValueError, match="backward_passes_per_step > 1 needs variable sources"):
+        hvd.DistributedGradientTape(t, backward_passes_per_step=2).gradient(y, [x])
+
+
 def embedding_setup():
     table = tf.Variable(np.arange(12, dtype=np.float32).reshape(6, 2))
     ids = tf.constant([R % 6, (R + 2) % 6], tf.int64)
