@@ -38,7 +38,7 @@ __all__ = [
     "join", "barrier", "size_op", "rank_op", "local_size_op", "local_rank_op", "Compression",
     "broadcast_variables", "broadcast_object", "allgather_object",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook",
-    "DistributedGradientTape", "DistributedOptimizer",
+    "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
     "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
     "ShutdownError", "StallError",
 ]
@@ -65,15 +65,11 @@ class _DistributedGradientTapeMixin:
         self._horolite_reducer = reducer
         self._horolite_passes = passes
         self._horolite_average = average
-        self._horolite_local = set()
 
     def register_local_source(self, source):
-        """Gradients of `source` stay local: they are returned as computed, never reduced."""
-        ref = variable_ref(source)
-        if ref is None:
-            raise ValueError(f"register_local_source: expected a variable (tf.Variable or Keras), "
-                             f"got {type(source).__name__}")
-        self._horolite_local.add(ref)
+        """Gradients of `source` stay on this rank, never reduced (divided by size() unless
+        scale_local_gradients=False), for model-parallel layers."""
+        self._horolite_reducer.register_local(source, "register_local_source")
 
     def _horolite_aggregator(self, sources) -> LocalAggregator:
         refs = tuple(variable_ref(s) for s in sources)
@@ -94,14 +90,13 @@ class _DistributedGradientTapeMixin:
                                  unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads)
-        local = [variable_ref(s) in self._horolite_local for s in flat_sources]
         if self._horolite_passes > 1:
             agg = self._horolite_aggregator(flat_sources)
-            reduced = agg(flat_grads, flat_sources, local)
+            reduced = agg(flat_grads, flat_sources)
             self.gradients_ready = agg.should_apply() if not tf.executing_eagerly() else \
                 bool(agg.counter.numpy() == 0)
         else:
-            reduced = self._horolite_reducer(flat_grads, flat_sources, local)
+            reduced = self._horolite_reducer(flat_grads, flat_sources)
             self.gradients_ready = True
         return tf.nest.pack_sequence_as(grads, reduced)
 
@@ -109,12 +104,14 @@ class _DistributedGradientTapeMixin:
 def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",
                             compression=Compression.none, sparse_as_dense: bool = False, op=Average,
                             gradient_predivide_factor: float = 1.0, num_groups=None, groups=None,
-                            process_set=None, backward_passes_per_step: int = 1,
+                            process_set=None, scale_local_gradients: bool = True,
+                            backward_passes_per_step: int = 1,
                             average_aggregated_gradients: bool = False):
     """Wrap a tf.GradientTape so `gradient()` returns gradients reduced over all ranks.
 
     Gradients of None stay None; sources registered with
-    `register_local_source` keep their local gradient. With
+    `register_local_source` keep their local gradient (divided by size(), as
+    Horovod does, unless scale_local_gradients=False). With
     `backward_passes_per_step=N > 1` (beyond Horovod), gradients are summed
     locally and reduced on every N-th call only; the other calls return zeros,
     and `tape.gradients_ready` says whether this call's result is the reduced
@@ -123,11 +120,37 @@ def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str
     _no_process_sets(process_set)
     check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op,
-                              gradient_predivide_factor, num_groups, groups)
+                              gradient_predivide_factor, num_groups, groups, scale_local_gradients)
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTapeMixin, gradtape.__class__), {})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
     tape._horolite_setup(reducer, int(backward_passes_per_step), average_aggregated_gradients)
+    return tape
+
+
+def _local_layer_variables(local_layers, what: str) -> list:
+    """The trainable variables of `local_layers` (a Keras layer, a list of them, or None)."""
+    if local_layers is None:
+        return []
+    layers = [local_layers] if isinstance(local_layers, tf.keras.layers.Layer) else list(local_layers)
+    for layer in layers:
+        if not isinstance(layer, tf.keras.layers.Layer):
+            raise ValueError(f"{what}: local_layers must be Keras layers, got {type(layer).__name__}")
+    return [v for layer in layers for v in layer.trainable_weights]
+
+
+def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",
+                                   compression=Compression.none, sparse_as_dense: bool = False,
+                                   op=Average, gradient_predivide_factor: float = 1.0,
+                                   num_groups=None, groups=None, process_set=None,
+                                   local_layers=None, scale_local_gradients: bool = True):
+    """DistributedGradientTape whose `local_layers` (model-parallel layers) keep their
+    own gradients: every trainable variable of theirs is a registered local source."""
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor, num_groups,
+                                   groups, process_set, scale_local_gradients)
+    for var in _local_layer_variables(local_layers, "PartialDistributedGradientTape"):
+        tape.register_local_source(var)
     return tape
 
 
@@ -139,17 +162,22 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
     def __init__(self, optimizer, name=None, use_locking=False, compression=Compression.none,
                  sparse_as_dense=False, backward_passes_per_step=1, op=Average,
                  gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=None,
-                 groups=None):
+                 groups=None, scale_local_gradients=True):
         if name is None:
             name = f"Distributed{type(optimizer).__name__}"
         check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
         super().__init__(name=name, use_locking=use_locking)
         self._optimizer = optimizer
         self._reducer = GradientReducer(name, compression, sparse_as_dense, op,
-                                        gradient_predivide_factor, num_groups, groups)
+                                        gradient_predivide_factor, num_groups, groups,
+                                        scale_local_gradients)
         self._aggregator = (LocalAggregator(backward_passes_per_step, average_aggregated_gradients,
                                             self._reducer)
                             if backward_passes_per_step > 1 else None)
+
+    def register_local_var(self, var):
+        """`var`'s gradient stays on this rank, never reduced (see DistributedGradientTape)."""
+        self._reducer.register_local(var, "register_local_var")
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's (gradient, variable) pairs with the gradients reduced.
@@ -204,21 +232,22 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
                          backward_passes_per_step: int = 1, op=Average,
                          gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups=None,
-                         groups=None, process_set=None):
+                         groups=None, process_set=None, scale_local_gradients: bool = True):
     """Horovod's DistributedOptimizer: a tf.compat.v1.train.Optimizer (legacy, graph or eager)
     or a Keras optimizer (then see horolite.tensorflow.keras.DistributedOptimizer)."""
     _no_process_sets(process_set)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return _DistributedOptimizer(optimizer, name, use_locking, compression, sparse_as_dense,
                                      backward_passes_per_step, op, gradient_predivide_factor,
-                                     average_aggregated_gradients, num_groups, groups)
+                                     average_aggregated_gradients, num_groups, groups,
+                                     scale_local_gradients)
     from . import keras as _keras
     return _keras.DistributedOptimizer(
         optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
         backward_passes_per_step=backward_passes_per_step, op=op,
         gradient_predivide_factor=gradient_predivide_factor,
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-        groups=groups)
+        groups=groups, scale_local_gradients=scale_local_gradients)
 
 
 # ------------------------------------------------------------- TF1 hook ----

@@ -43,9 +43,14 @@ def check_arguments(op, gradient_predivide_factor: float, backward_passes_per_st
 class GradientReducer:
     def __init__(self, name: str, compression=Compression.none, sparse_as_dense: bool = False,
                  op=ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, num_groups=None,
-                 groups=None):
+                 groups=None, scale_local_gradients: bool = True):
         self.op = check_arguments(op, gradient_predivide_factor)
         self.name = name
+        # Local variables (register_local_source/_var, local_layers) keep their own
+        # gradient; Horovod divides it by size() so that it belongs to the same
+        # (averaged) loss as the reduced ones.
+        self.local_refs = set()
+        self.scale_local_gradients = bool(scale_local_gradients)
         self.compression = compression or Compression.none
         self.sparse_as_dense = sparse_as_dense
         if self.op == ReduceOp.AVERAGE:
@@ -75,6 +80,29 @@ class GradientReducer:
             if len(seen) != len(set(seen)):
                 raise ValueError("groups: a variable appears in more than one group")
         self.groups = groups
+
+    def register_local(self, var, what: str):
+        """Keep `var`'s gradient on this rank: never reduced, divided by size() if scaling."""
+        ref = variable_ref(var)
+        if ref is None:
+            raise ValueError(f"{what}: expected a variable (tf.Variable or Keras), "
+                             f"got {type(var).__name__}")
+        self.local_refs.add(ref)
+
+    def _is_local(self, variables, n: int) -> List[bool]:
+        if not self.local_refs or variables is None:
+            return [False] * n
+        return [variable_ref(variables[i]) in self.local_refs for i in range(n)]
+
+    def _scale_local(self, grads, local) -> None:
+        if not self.scale_local_gradients or _core.size() == 1:
+            return
+        for i, g in enumerate(grads):
+            if local[i] and g is not None:
+                if isinstance(g, tf.IndexedSlices):
+                    grads[i] = tf.IndexedSlices(g.values / _core.size(), g.indices, g.dense_shape)
+                else:
+                    grads[i] = g / _core.size()
 
     # -- planning --
     def _group_indices(self, dense: List[int], variables) -> List[List[int]]:
@@ -106,13 +134,13 @@ class GradientReducer:
             return out
         return [[i] for i in dense]
 
-    def __call__(self, grads: Sequence, variables: Optional[Sequence] = None,
-                 local: Sequence[bool] = ()) -> List:
-        """The reduced gradients; None stays None, local ones are returned as they are."""
+    def __call__(self, grads: Sequence, variables: Optional[Sequence] = None) -> List:
+        """The reduced gradients; None stays None, local ones stay on this rank (see register_local)."""
         grads = list(grads)
-        out = list(grads)
         n = len(grads)
-        local = list(local) or [False] * n
+        local = self._is_local(variables, n)
+        out = list(grads)
+        self._scale_local(out, local)
         labels = [variable_name(variables[i] if variables is not None else None, i) for i in range(n)]
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -224,7 +252,7 @@ class LocalAggregator:
                                                    name="horolite_agg_" + variable_name(v, i).replace("/", "_").replace(".", "_"))
                 for i, (g, v) in enumerate(zip(grads, variables))]
 
-    def __call__(self, grads, variables, local=()):
+    def __call__(self, grads, variables):
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         if self.accumulators is None:
             self._build(grads, variables)
@@ -239,7 +267,7 @@ class LocalAggregator:
 
         def communicate():
             total = [None if a is None else a.read_value() for a in self.accumulators]
-            reduced = self.reducer(total, variables, local)
+            reduced = self.reducer(total, variables)
             if self.average:
                 reduced = [r if r is None else r / tf.cast(self.passes, r.dtype) for r in reduced]
             deps = [r for r in reduced if r is not None] if not tf.executing_eagerly() else None

@@ -78,7 +78,7 @@ def test_tape_none_local_groups_and_predivide():
         tape.register_local_source(local)
         gw, gb, gu, gl = tape.gradient(loss, [w, b, unused, local])
         assert gu is None
-        np.testing.assert_allclose(gl.numpy(), 2.0 * R)  # local: not reduced
+        np.testing.assert_allclose(gl.numpy(), 2.0 * R / N)  # local: not reduced, scaled
         expect = np.mean(hvd.allgather_object(ref_w), axis=0)
         np.testing.assert_allclose(gw.numpy(), expect, rtol=2e-3 if kwargs.get("compression") else 1e-5,
                                    atol=1e-3 if kwargs.get("compression") else 1e-6)
@@ -405,7 +405,7 @@ def test_tape_options_take_keras_variables(mode, monkeypatch):
             monkeypatch.undo()
             assert sorted(requests) == sorted(len(g) for g in kwargs.get("groups", [[kernel, bias]]))
         np.testing.assert_allclose(gk.numpy(), expect, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(gl.numpy(), 2.0 * R)  # local: not reduced
+        np.testing.assert_allclose(gl.numpy(), 2.0 * R / N)  # local: not reduced, scaled
     with pytest.raises(ValueError, match="groups"):
         hvd.DistributedGradientTape(tf.GradientTape(), groups=[[kernel, "not a variable"]])
 
@@ -531,3 +531,96 @@ def test_keras_local_aggregation_and_warmup():
               callbacks=[warm, rec])
     np.testing.assert_allclose(rec.lrs[0], 0.4 / N, rtol=1e-6)
     np.testing.assert_allclose(rec.lrs[-1], 0.4, rtol=1e-6)
+
+
+def two_layer_model():
+    """A shared Dense(2) (W0, B0 on every rank) feeding a rank-local Dense(1) head."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    model.layers[0].set_weights([W0, B0])
+    model.layers[1].set_weights([np.full((2, 1), R + 1.0, np.float32), np.full(1, -R, np.float32)])
+    return model
+
+
+def two_layer_loss(model):
+    return tf.reduce_mean(tf.square(model(tf.constant(X[LO:HI])) - Y[LO:HI, :1]))
+
+
+@pytest.mark.parametrize("scale", [True, False])
+@pytest.mark.parametrize("api", ["tape", "partial_tape", "keras_optimizer", "partial_keras_optimizer"])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_model_parallel_local_layers(api, scale, mode):
+    # The shared layer's gradients are averaged; the local head's stay this rank's own,
+    # divided by size() unless scale_local_gradients=False (Horovod's default scales).
+    model = two_layer_model()
+    shared, head = model.layers
+    with tf.GradientTape() as t:
+        loss = two_layer_loss(model)
+    mine = [g.numpy() for g in t.gradient(loss, model.trainable_variables)]
+    expect = [np.mean(hvd.allgather_object(g), axis=0) for g in mine[:2]]
+    expect += [g / N if scale else g for g in mine[2:]]
+
+    if api in ("tape", "partial_tape"):
+        def grads():
+            with tf.GradientTape() as t:
+                loss = two_layer_loss(model)
+            if api == "tape":
+                tape = hvd.DistributedGradientTape(t, scale_local_gradients=scale)
+                for v in head.trainable_variables:
+                    tape.register_local_source(v)
+            else:
+                tape = hvd.PartialDistributedGradientTape(t, local_layers=head,
+                                                          scale_local_gradients=scale)
+            return tape.gradient(loss, model.trainable_variables)
+        got = (tf.function(grads) if mode == "function" else grads)()
+        for g, e in zip(got, expect):
+            np.testing.assert_allclose(g.numpy(), e, rtol=1e-5, atol=1e-6)
+        return
+
+    if api == "keras_optimizer":
+        opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(LR), scale_local_gradients=scale)
+        for v in head.trainable_variables:
+            opt.register_local_var(v)
+    else:
+        opt = hvdk.PartialDistributedOptimizer(keras.optimizers.SGD(LR), local_layers=[head],
+                                               scale_local_gradients=scale)
+    before = [v.numpy() for v in model.trainable_variables]
+
+    def step():
+        with tf.GradientTape() as t:
+            loss = two_layer_loss(model)
+        opt.apply(t.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+    (tf.function(step) if mode == "function" else step)()
+    for v, b, e in zip(model.trainable_variables, before, expect):
+        np.testing.assert_allclose(v.numpy(), b - LR * e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("passes", [1, 4])
+def test_legacy_optimizer_local_vars(passes):
+    # register_local_var on the TF1 optimizer, alone and with local aggregation (Sum of
+    # 4 passes): the local variable's update is its own gradient sum / size().
+    w, b, local = tf.Variable(W0), tf.Variable(B0), tf.Variable(float(R + 1))
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(LR),
+                                   backward_passes_per_step=passes)
+    opt.register_local_var(local)
+    for i in range(passes):
+        sl = slice(LO, HI) if passes == 1 else minibatch(i)
+        x, y = tf.constant(X[sl]), tf.constant(Y[sl])
+        pairs = opt.compute_gradients(lambda: loss_fn(w, b, x, y) + local * local,
+                                      var_list=[w, b, local])
+        opt.apply_gradients(pairs)
+    if passes > 1:
+        grad_w = local_grad_sum(passes) / N
+    else:
+        err = X[LO:HI] @ W0 + B0 - Y[LO:HI]
+        grad_w = np.mean(hvd.allgather_object(2 * X[LO:HI].T @ err / err.size), axis=0)
+    np.testing.assert_allclose(w.numpy(), W0 - LR * grad_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(local.numpy(), (R + 1) - LR * passes * 2.0 * (R + 1) / N, rtol=1e-6)
+
+
+def test_local_layers_must_be_layers():
+    with pytest.raises(ValueError, match="PartialDistributedGradientTape: local_layers must be Keras "
+                                         "layers, got ResourceVariable"):
+        hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=[tf.Variable(1.0)])
+    with pytest.raises(ValueError, match="register_local_var: expected a variable .* got str"):
+        hvdk.DistributedOptimizer(keras.optimizers.SGD(LR)).register_local_var("bias")

@@ -20,6 +20,7 @@ from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
                       shutdown, size, start_timeline, stop_timeline)
 from horolite.ops import Adasum, Average, Max, Min, Product, Sum
 
+from .. import _local_layer_variables
 from .. import (Compression, allgather, allgather_object, allreduce, broadcast, broadcast_object,
                 broadcast_variables, grouped_allreduce, join, reducescatter)
 from ..gradients import GradientReducer, LocalAggregator, check_arguments
@@ -32,7 +33,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "Average", "Sum", "Adasum", "Min",
            "Max", "Product", "Compression", "allreduce", "grouped_allreduce", "allgather",
            "broadcast", "reducescatter", "join", "broadcast_variables", "broadcast_object", "allgather_object",
-           "DistributedOptimizer", "load_model", "callbacks", "broadcast_global_variables"]
+           "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "callbacks", "broadcast_global_variables"]
 
 
 class _DistributedMixin:
@@ -41,6 +42,11 @@ class _DistributedMixin:
     def _horolite_setup(self, reducer, passes, average):
         self._horolite_reducer = reducer
         self._horolite_aggregator = LocalAggregator(passes, average, reducer) if passes > 1 else None
+
+    def register_local_var(self, var):
+        """`var`'s gradient stays on this rank, never reduced (divided by size() unless
+        scale_local_gradients=False), for model-parallel layers."""
+        self._horolite_reducer.register_local(var, "register_local_var")
 
     def apply(self, grads, trainable_variables=None):
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
@@ -74,7 +80,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          compression=Compression.none, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=None, groups=None,
-                         process_set=None):
+                         process_set=None, scale_local_gradients=True):
     """Wrap a Keras 3 optimizer so the gradients it applies are reduced over all ranks.
 
     Returns an instance of a subclass of the optimizer's own class with the
@@ -88,9 +94,27 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise NotImplementedError("horolite has no process sets")
     check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}", compression,
-                              sparse_as_dense, op, gradient_predivide_factor, num_groups, groups)
+                              sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
+                              scale_local_gradients)
     new = _distributed_class(type(optimizer)).from_config(optimizer.get_config())
     new._horolite_setup(reducer, int(backward_passes_per_step), average_aggregated_gradients)
+    return new
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                num_groups=None, groups=None, process_set=None,
+                                local_layers=None, scale_local_gradients=True):
+    """DistributedOptimizer whose `local_layers` (model-parallel layers) keep their own
+    gradients: every trainable variable of theirs is a registered local variable."""
+    new = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression,
+                               sparse_as_dense, gradient_predivide_factor, op,
+                               backward_passes_per_step, average_aggregated_gradients,
+                               num_groups, groups, process_set, scale_local_gradients)
+    for var in _local_layer_variables(local_layers, "PartialDistributedOptimizer"):
+        new.register_local_var(var)
     return new
 
 
