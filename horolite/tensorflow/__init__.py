@@ -24,6 +24,7 @@ from horolite.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .compression import Compression
 from .functions import (allgather_object, broadcast_global_variables, broadcast_object,
                         broadcast_variables, variable_ref)
+from .sync_batch_norm import SyncBatchNormalization
 from .gradients import GradientReducer, LocalAggregator, check_arguments
 from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allreduce, join,
                       local_rank_op, local_size_op, rank_op, reducescatter, size_op)
@@ -39,6 +40,7 @@ __all__ = [
     "broadcast_variables", "broadcast_object", "allgather_object",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
+    "SyncBatchNormalization",
     "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
     "ShutdownError", "StallError",
 ]

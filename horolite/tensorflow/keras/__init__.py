@@ -21,6 +21,7 @@ from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
 from horolite.ops import Adasum, Average, Max, Min, Product, Sum
 
 from .. import _local_layer_variables
+from .. import SyncBatchNormalization
 from .. import (Compression, allgather, allgather_object, allreduce, broadcast, broadcast_object,
                 broadcast_variables, grouped_allreduce, join, reducescatter)
 from ..gradients import GradientReducer, LocalAggregator, check_arguments
@@ -33,7 +34,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "Average", "Sum", "Adasum", "Min",
            "Max", "Product", "Compression", "allreduce", "grouped_allreduce", "allgather",
            "broadcast", "reducescatter", "join", "broadcast_variables", "broadcast_object", "allgather_object",
-           "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "callbacks", "broadcast_global_variables"]
+           "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization", "load_model", "callbacks", "broadcast_global_variables"]
 
 
 class _DistributedMixin:
