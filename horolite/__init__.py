@@ -12,8 +12,9 @@ from .basics import (cross_rank, cross_size, init, is_homogeneous, is_initialize
 from .capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,
                            mpi_enabled, nccl_built, rocm_built)
 from .collectives import (allgather, allgather_async, allreduce, allreduce_async, alltoall,
-                          alltoall_async, barrier, broadcast, broadcast_async, grouped_allreduce,
-                          grouped_allreduce_async, join, join_async, poll, reducescatter, reducescatter_async,
+                          alltoall_async, barrier, broadcast, broadcast_async, grouped_allgather,
+                          grouped_allgather_async, grouped_allreduce, grouped_allreduce_async,
+                          grouped_reducescatter, grouped_reducescatter_async, join, join_async, poll, reducescatter, reducescatter_async,
                           synchronize)
 from .errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
                      NotInitializedError, ShutdownError, StallError, TensorMismatchError)
@@ -29,7 +30,8 @@ __all__ = [
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
-    "reducescatter", "reducescatter_async", "barrier", "join", "join_async", "poll", "synchronize", "Handle",
+    "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "join_async", "poll", "synchronize", "Handle",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
     "ShutdownError", "StallError", "NotInitializedError", "__version__",

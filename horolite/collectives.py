@@ -169,9 +169,13 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
                        postscale=float(postscale_factor), group=shapes)
     if borrowed:
         arrays = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in arrays]
-    children = [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor)
-                for i, a in enumerate(arrays)]
-    group = Handle(base)
+    return _one_handle(base, [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor)
+                              for i, a in enumerate(arrays)])
+
+
+def _one_handle(name: str, children: List[Handle]) -> Handle:
+    """A handle done when all `children` are: their results as a list, or the first error."""
+    group = Handle(name)
     if not children:
         group._set_result([])
         return group
@@ -281,6 +285,17 @@ def allgather(array, name: Optional[str] = None) -> np.ndarray:
     return synchronize(allgather_async(array, name))
 
 
+def grouped_allgather_async(arrays: Sequence, name: Optional[str] = None) -> Handle:
+    """One handle for several allgathers, all submitted before any is awaited (so they
+    negotiate in the same cycles); the result is the list of gathered arrays."""
+    base = name or _auto_name("grouped_allgather")
+    return _one_handle(base, [allgather_async(a, f"{base}.{i}") for i, a in enumerate(arrays)])
+
+
+def grouped_allgather(arrays: Sequence, name: Optional[str] = None) -> List[np.ndarray]:
+    return synchronize(grouped_allgather_async(arrays, name))
+
+
 def broadcast_async(array, root_rank: int, name: Optional[str] = None) -> Handle:
     name = name or _auto_name("broadcast")
     arr = _as_array(array, name, Kind.BROADCAST)
@@ -332,6 +347,16 @@ def reducescatter_async(array, op=Average, name: Optional[str] = None) -> Handle
 def reducescatter(array, op=Average, name: Optional[str] = None) -> np.ndarray:
     """Reduce over ranks, then rank r keeps the r-th part of the first dimension."""
     return synchronize(reducescatter_async(array, op, name))
+
+
+def grouped_reducescatter_async(arrays: Sequence, op=Average, name: Optional[str] = None) -> Handle:
+    """One handle for several reducescatters, submitted together; results as a list."""
+    base = name or _auto_name("grouped_reducescatter")
+    return _one_handle(base, [reducescatter_async(a, op, f"{base}.{i}") for i, a in enumerate(arrays)])
+
+
+def grouped_reducescatter(arrays: Sequence, op=Average, name: Optional[str] = None) -> List[np.ndarray]:
+    return synchronize(grouped_reducescatter_async(arrays, op, name))
 
 
 def barrier() -> None:

@@ -26,7 +26,8 @@ from .functions import (allgather_object, broadcast_global_variables, broadcast_
                         broadcast_variables, variable_ref)
 from .sync_batch_norm import SyncBatchNormalization
 from .gradients import GradientReducer, LocalAggregator, check_arguments
-from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allreduce, join,
+from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather,
+                      grouped_allreduce, grouped_reducescatter, join,
                       local_rank_op, local_size_op, rank_op, reducescatter, size_op)
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
     "start_timeline", "stop_timeline", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "grouped_reducescatter", "broadcast", "alltoall", "reducescatter",
     "join", "barrier", "size_op", "rank_op", "local_size_op", "local_rank_op", "Compression",
     "broadcast_variables", "broadcast_object", "allgather_object",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook",

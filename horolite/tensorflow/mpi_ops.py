@@ -360,20 +360,40 @@ def allgather(tensor, name: Optional[str] = None) -> tf.Tensor:
 
     @tf.custom_gradient
     def fn(x):
-        y = _allgather_raw(x, name)
-
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-            summed = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodAllgatherGrad", dy),
-                                    ReduceOp.SUM, 1.0, 1.0)
-            rows = tf.shape(x, out_type=tf.int64)[:1]
-            all_rows = _allgather_raw(rows, _resolve_name(None if name is None else f"{name}.grad_rows",
-                                                          "HorovodAllgatherGradRows", rows))
-            start = tf.reduce_sum(all_rows[:_core.rank()])
-            return tf.slice(summed, tf.concat([[start], tf.zeros([tf.rank(dy) - 1], tf.int64)], 0),
-                            tf.shape(x, out_type=tf.int64))
-        return y, grad
+        return _allgather_raw(x, name), lambda dy: _allgather_grad(x, dy, name)
     return fn(tensor)
+
+
+def _allgather_grad(x: tf.Tensor, dy, name: Optional[str]) -> tf.Tensor:
+    """The upstream gradient summed over ranks, then this rank's rows."""
+    dy = tf.convert_to_tensor(dy)
+    summed = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodAllgatherGrad", dy),
+                            ReduceOp.SUM, 1.0, 1.0)
+    rows = tf.shape(x, out_type=tf.int64)[:1]
+    all_rows = _allgather_raw(rows, _resolve_name(None if name is None else f"{name}.grad_rows",
+                                                  "HorovodAllgatherGradRows", rows))
+    start = tf.reduce_sum(all_rows[:_core.rank()])
+    return tf.slice(summed, tf.concat([[start], tf.zeros([tf.rank(dy) - 1], tf.int64)], 0),
+                    tf.shape(x, out_type=tf.int64))
+
+
+def grouped_allgather(tensors, name: Optional[str] = None) -> List[tf.Tensor]:
+    """allgather of each tensor, submitted as one group (one enqueue op; they negotiate together)."""
+    tensors = [_as_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    name = _resolve_name(name, "HorovodGroupedAllgather", tensors[0])
+
+    @tf.custom_gradient
+    def fn(*xs):
+        hid = _enqueue(lambda *a: _core.grouped_allgather_async(list(a), name), list(xs))
+        ys = wait(hid, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
+
+        def grad(*dys):
+            return [_allgather_grad(x, dy, None if name is None else f"{name}.{i}")
+                    for i, (x, dy) in enumerate(zip(xs, dys))]
+        return ys, grad
+    return list(fn(*tensors))
 
 
 def _broadcast_raw(x: tf.Tensor, root_rank: int, name) -> tf.Tensor:
@@ -460,24 +480,50 @@ def reducescatter(tensor, op=Average, name: Optional[str] = None) -> tf.Tensor:
 
     Gradient: the allgather of the upstream gradient (divided by size for Average).
     """
-    op = _check_op(op)
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"reducescatter supports Average and Sum, not {op.name}")
+    op = _check_reducescatter_op(op)
     tensor = _as_tensor(tensor)
     name = _resolve_name(name, "HorovodReducescatter", tensor)
 
     @tf.custom_gradient
     def fn(x):
-        y = _reducescatter_raw(x, op, name)
-
-        def grad(dy):
-            dy = tf.convert_to_tensor(dy)
-            g = _allgather_raw(dy, _resolve_name(_grad_name(name), "HorovodReducescatterGrad", dy))
-            if op == ReduceOp.AVERAGE:
-                g = g / tf.cast(_core.size(), g.dtype)
-            return g
-        return y, grad
+        return _reducescatter_raw(x, op, name), lambda dy: _reducescatter_grad(dy, op, name)
     return fn(tensor)
+
+
+def _check_reducescatter_op(op) -> ReduceOp:
+    op = _check_op(op)
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"reducescatter supports Average and Sum, not {op.name}")
+    return op
+
+
+def _reducescatter_grad(dy, op: ReduceOp, name: Optional[str]) -> tf.Tensor:
+    """The allgather of the upstream gradient (divided by size for Average)."""
+    dy = tf.convert_to_tensor(dy)
+    g = _allgather_raw(dy, _resolve_name(_grad_name(name), "HorovodReducescatterGrad", dy))
+    if op == ReduceOp.AVERAGE:
+        g = g / tf.cast(_core.size(), g.dtype)
+    return g
+
+
+def grouped_reducescatter(tensors, op=Average, name: Optional[str] = None) -> List[tf.Tensor]:
+    """reducescatter of each tensor, submitted as one group (one enqueue op)."""
+    op = _check_reducescatter_op(op)
+    tensors = [_as_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    name = _resolve_name(name, "HorovodGroupedReducescatter", tensors[0])
+
+    @tf.custom_gradient
+    def fn(*xs):
+        hid = _enqueue(lambda *a: _core.grouped_reducescatter_async(list(a), op, name), list(xs))
+        ys = wait(hid, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
+
+        def grad(*dys):
+            return [_reducescatter_grad(dy, op, None if name is None else f"{name}.{i}")
+                    for i, dy in enumerate(dys)]
+        return ys, grad
+    return list(fn(*tensors))
 
 
 def join() -> tf.Tensor:

@@ -196,6 +196,30 @@ def test_reducescatter(dtype, op, rows):
     assert_close(got, full[start:start + mine], dtype)
 
 
+def test_grouped_allgather_and_reducescatter():
+    # Members of different dtypes and row counts (uneven per rank for allgather),
+    # against the concatenation / the reduced parts of each rank's known inputs.
+    def parts(r):
+        return [make(r, ((r + i) % 3, 2), dtype, ("gag", i)) for i, dtype in
+                enumerate(["float32", "int64", "bfloat16"])]
+
+    got = hvd.grouped_allgather(parts(RANK), name="gag")
+    for i, g in enumerate(got):
+        want = np.concatenate([parts(r)[i] for r in range(SIZE)])
+        assert g.dtype == want.dtype and g.shape == want.shape
+        assert np.array_equal(g.astype(np.float64), want.astype(np.float64))
+
+    shapes = [(5, 2), (SIZE, 1), (1,)]
+    arrays = [make(RANK, s, "float64", ("grs", i)) for i, s in enumerate(shapes)]
+    handle = hvd.grouped_reducescatter_async(arrays, op=hvd.Average, name="grs")
+    for i, (g, s) in enumerate(zip(hvd.synchronize(handle), shapes)):
+        full = reference(hvd.Average, [make(r, s, "float64", ("grs", i)) for r in range(SIZE)], "float64")
+        base, extra = divmod(s[0], SIZE)
+        start = RANK * base + min(RANK, extra)
+        assert_close(g, full[start:start + base + (1 if RANK < extra else 0)], "float64")
+    assert hvd.grouped_allgather([], name="empty") == []
+
+
 def test_barrier_and_join():
     hvd.barrier()
     # Rank r does r extra allreduces before joining; joined ranks contribute zeros.

@@ -149,3 +149,13 @@ def test_grouped_member_shapes_mismatch():
                        match=r"tensor 'grp.mm': mismatched group member shapes: rank 0 had \[\(2,\), \(3,\)\]"):
         hvd.grouped_allreduce([np.ones(s) for s in shapes], name="grp.mm")
     still_works("group")
+
+
+@multi
+def test_grouped_allgather_member_mismatch_names_the_member():
+    # Member 1 differs beyond the first dimension on odd ranks: every rank's error names it;
+    # the group's other member does not hide it.
+    arrays = [np.ones((RANK + 1, 2)), np.ones((1, 2 + (RANK % 2)))]
+    with pytest.raises(hvd.TensorMismatchError, match=r"tensor 'gag.mm.1'.*shape beyond the first dimension"):
+        hvd.grouped_allgather(arrays, name="gag.mm")
+    still_works("gag")

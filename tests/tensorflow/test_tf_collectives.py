@@ -145,6 +145,53 @@ def test_reducescatter(mode):
     np.testing.assert_allclose(out, total[start:start + mine])
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allgather_and_reducescatter(mode):
+    # Results and gradients of both groups at once: loss = sum(w * outputs), w = rank + 1,
+    # with the second member of each group weighted twice.
+    a, b = value(R, (R + 1, 2)), value(R, (1, 3), np.float64)
+    c, d = value(R, (N, 2)), value(R, (2 * N + 1, 1), np.float64)
+    w = float(R + 1)
+
+    def fn(a, b, c, d):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b, c, d])
+            ga, gb = hvd.grouped_allgather([a, b])
+            rc, rd = hvd.grouped_reducescatter([c, d], op=hvd.Average)
+            loss = tf.reduce_sum(w * ga) + tf.reduce_sum(2 * w * tf.cast(gb, tf.float32)) + \
+                tf.reduce_sum(w * rc) + tf.reduce_sum(2 * w * tf.cast(rd, tf.float32))
+        return [ga, gb, rc, rd] + tape.gradient(loss, [a, b, c, d])
+
+    if mode == "graph":
+        with tf.Graph().as_default():
+            ts = [tf.constant(v) for v in (a, b, c, d)]
+            ga, gb = hvd.grouped_allgather(ts[:2])
+            rc, rd = hvd.grouped_reducescatter(ts[2:], op=hvd.Average)
+            loss = tf.reduce_sum(w * ga) + tf.reduce_sum(2 * w * tf.cast(gb, tf.float32)) + \
+                tf.reduce_sum(w * rc) + tf.reduce_sum(2 * w * tf.cast(rd, tf.float32))
+            # Eight collectives that TF1 may run in any order, each holding an inter-op thread
+            # while it waits: the session needs a thread for each (see the README's TF1 note).
+            config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=8, use_per_session_threads=True)
+            with tf.compat.v1.Session(config=config) as sess:
+                out = sess.run([ga, gb, rc, rd] + tf.compat.v1.gradients(loss, ts))
+    else:
+        out = run(mode, fn, a, b, c, d)
+    ga, gb, rc, rd, da, db, dc, dd = out
+    np.testing.assert_array_equal(ga, np.concatenate([value(r, (r + 1, 2)) for r in range(N)]))
+    np.testing.assert_array_equal(gb, np.concatenate([value(r, (1, 3), np.float64) for r in range(N)]))
+    np.testing.assert_allclose(rc, np.mean([value(r, (N, 2)) for r in range(N)], axis=0)[R:R + 1])
+    base, extra = divmod(2 * N + 1, N)
+    owner = np.concatenate([[r] * (base + (1 if r < extra else 0)) for r in range(N)])
+    start = R * base + min(R, extra)
+    full_d = np.mean([value(r, (2 * N + 1, 1), np.float64) for r in range(N)], axis=0)
+    np.testing.assert_allclose(rd, full_d[start:start + len(rd)])
+    wsum = sum(r + 1.0 for r in range(N))
+    np.testing.assert_allclose(da, np.full(a.shape, wsum))
+    np.testing.assert_allclose(db, np.full(b.shape, 2 * wsum))
+    np.testing.assert_allclose(dc, np.repeat((np.arange(N) + 1.0)[:, None] / N, 2, axis=1), rtol=1e-6)
+    np.testing.assert_allclose(dd, 2 * (owner[:, None] + 1.0) / N, rtol=1e-6)
+
+
 def grads_of(mode, fn, x):
     """d(sum(w * fn(x)))/dx with a rank-dependent weight w = rank + 1."""
     w = float(R + 1)

@@ -23,7 +23,8 @@ from horolite.ops import Adasum, Average, Max, Min, Product, Sum
 from .. import _local_layer_variables
 from .. import SyncBatchNormalization
 from .. import (Compression, allgather, allgather_object, allreduce, broadcast, broadcast_object,
-                broadcast_variables, grouped_allreduce, join, reducescatter)
+                broadcast_variables, grouped_allgather, grouped_allreduce, grouped_reducescatter,
+                join, reducescatter)
 from ..gradients import GradientReducer, LocalAggregator, check_arguments
 from . import callbacks
 
@@ -32,7 +33,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "start_timeline", "stop_timeline", "mpi_built", "mpi_enabled", "gloo_built",
            "gloo_enabled", "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
            "Average", "Sum", "Adasum", "Min",
-           "Max", "Product", "Compression", "allreduce", "grouped_allreduce", "allgather",
+           "Max", "Product", "Compression", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "grouped_reducescatter",
            "broadcast", "reducescatter", "join", "broadcast_variables", "broadcast_object", "allgather_object",
            "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization", "load_model", "callbacks", "broadcast_global_variables"]
 
