@@ -353,22 +353,29 @@ def _allgather_raw(x: tf.Tensor, name) -> tf.Tensor:
 def allgather(tensor, name: Optional[str] = None) -> tf.Tensor:
     """Concatenate every rank's tensor along the first dimension (which may differ per rank).
 
-    Gradient: the upstream gradient summed over ranks, then this rank's rows.
+    Gradient (as in Horovod since 0.22): the upstream gradient averaged over
+    ranks, then this rank's rows.
     """
+    return allgather_with_gradient(tensor, name, ReduceOp.AVERAGE)
+
+
+def allgather_with_gradient(tensor, name: Optional[str], grad_op: ReduceOp) -> tf.Tensor:
+    """allgather whose gradient reduces the upstream gradient with `grad_op` (Average for
+    Horovod's allgather; Sum where every rank's loss counts, as in SyncBatchNormalization)."""
     tensor = _as_tensor(tensor)
     name = _resolve_name(name, "HorovodAllgather", tensor)
 
     @tf.custom_gradient
     def fn(x):
-        return _allgather_raw(x, name), lambda dy: _allgather_grad(x, dy, name)
+        return _allgather_raw(x, name), lambda dy: _allgather_grad(x, dy, name, grad_op)
     return fn(tensor)
 
 
-def _allgather_grad(x: tf.Tensor, dy, name: Optional[str]) -> tf.Tensor:
-    """The upstream gradient summed over ranks, then this rank's rows."""
+def _allgather_grad(x: tf.Tensor, dy, name: Optional[str], op: ReduceOp = ReduceOp.AVERAGE) -> tf.Tensor:
+    """The upstream gradient reduced over ranks with `op`, then this rank's rows."""
     dy = tf.convert_to_tensor(dy)
     summed = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodAllgatherGrad", dy),
-                            ReduceOp.SUM, 1.0, 1.0)
+                            op, 1.0, 1.0)
     rows = tf.shape(x, out_type=tf.int64)[:1]
     all_rows = _allgather_raw(rows, _resolve_name(None if name is None else f"{name}.grad_rows",
                                                   "HorovodAllgatherGradRows", rows))
@@ -403,8 +410,8 @@ def _broadcast_raw(x: tf.Tensor, root_rank: int, name) -> tf.Tensor:
 def broadcast(tensor, root_rank: int, name: Optional[str] = None) -> tf.Tensor:
     """Every rank gets root_rank's tensor.
 
-    Gradient (as in Horovod): the upstream gradient summed over ranks on the
-    root, zeros on the other ranks.
+    Gradient (as in Horovod since 0.22): the upstream gradient averaged over
+    ranks on the root, zeros on the other ranks.
     """
     tensor = _as_tensor(tensor)
     root_rank = int(root_rank)
@@ -416,12 +423,12 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None) -> tf.Tensor:
 
         def grad(dy):
             dy = tf.convert_to_tensor(dy)
-            summed = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodBroadcastGrad", dy),
-                                    ReduceOp.SUM, 1.0, 1.0)
+            averaged = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodBroadcastGrad", dy),
+                                      ReduceOp.AVERAGE, 1.0, 1.0)
             if _core.rank() == root_rank:
-                return summed
+                return averaged
             # Keep the allreduce in the graph on every rank: the root waits for it.
-            with tf.control_dependencies([summed]):
+            with tf.control_dependencies([averaged]):
                 return tf.zeros_like(dy)
         return y, grad
     return fn(tensor)
@@ -478,7 +485,7 @@ def reducescatter(tensor, op=Average, name: Optional[str] = None) -> tf.Tensor:
     """Reduce over ranks; rank r keeps the r-th part of the first dimension
     (the first rows % size ranks get one extra row).
 
-    Gradient: the allgather of the upstream gradient (divided by size for Average).
+    Gradient (Horovod's): the allgather of the upstream gradient, times size for Sum.
     """
     op = _check_reducescatter_op(op)
     tensor = _as_tensor(tensor)
@@ -498,12 +505,11 @@ def _check_reducescatter_op(op) -> ReduceOp:
 
 
 def _reducescatter_grad(dy, op: ReduceOp, name: Optional[str]) -> tf.Tensor:
-    """The allgather of the upstream gradient (divided by size for Average)."""
+    """Horovod's: the allgather of the upstream gradient, times size for Sum."""
     dy = tf.convert_to_tensor(dy)
-    g = _allgather_raw(dy, _resolve_name(_grad_name(name), "HorovodReducescatterGrad", dy))
-    if op == ReduceOp.AVERAGE:
-        g = g / tf.cast(_core.size(), g.dtype)
-    return g
+    if op == ReduceOp.SUM:
+        dy = dy * tf.cast(_core.size(), dy.dtype)
+    return _allgather_raw(dy, _resolve_name(_grad_name(name), "HorovodReducescatterGrad", dy))
 
 
 def grouped_reducescatter(tensors, op=Average, name: Optional[str] = None) -> List[tf.Tensor]:

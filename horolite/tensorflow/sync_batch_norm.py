@@ -6,7 +6,7 @@ data-parallel run no longer computes what one process on the whole batch
 would. This layer gathers every rank's per-channel count, mean and sum of
 squared deviations (one allgather per layer and step) and combines them, so
 every rank normalizes by the same global statistics, also when the ranks'
-batches differ in size. The allgather's gradient is the Sum-allreduce of the
+batches differ in size. The gather's gradient is the Sum-allreduce of the
 upstream gradient (this rank's rows), so backprop is also the global batch's: training with
 this layer and DistributedOptimizer equals one process with plain
 BatchNormalization on the whole batch (equal batches per rank).
@@ -20,7 +20,9 @@ import tensorflow as tf
 
 import horolite as _core
 
-from .mpi_ops import allgather
+from horolite.ops import ReduceOp
+
+from .mpi_ops import allgather_with_gradient
 
 
 __all__ = ["SyncBatchNormalization"]
@@ -60,7 +62,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 tf.reduce_sum(tf.square(inputs - mean) * weight, axis=axes, keepdims=True), count)
         local = tf.stack([tf.reshape(count, [-1]), tf.reshape(mean, [-1]),
                           tf.reshape(var * count, [-1])])
-        every = allgather(local[None], name=f"SyncBatchNormalization.{self.name}")
+        # Every rank's loss depends on every rank's rows through these statistics: the
+        # gradient sums the upstream gradients (Horovod's public allgather averages them).
+        every = allgather_with_gradient(local[None], f"SyncBatchNormalization.{self.name}",
+                                        ReduceOp.SUM)
         counts, means, squares = every[:, 0], every[:, 1], every[:, 2]
         total = tf.reduce_sum(counts, axis=0)
         global_mean = tf.math.divide_no_nan(tf.reduce_sum(counts * means, axis=0), total)

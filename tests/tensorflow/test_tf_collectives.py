@@ -186,10 +186,11 @@ def test_grouped_allgather_and_reducescatter(mode):
     full_d = np.mean([value(r, (2 * N + 1, 1), np.float64) for r in range(N)], axis=0)
     np.testing.assert_allclose(rd, full_d[start:start + len(rd)])
     wsum = sum(r + 1.0 for r in range(N))
-    np.testing.assert_allclose(da, np.full(a.shape, wsum))
-    np.testing.assert_allclose(db, np.full(b.shape, 2 * wsum))
-    np.testing.assert_allclose(dc, np.repeat((np.arange(N) + 1.0)[:, None] / N, 2, axis=1), rtol=1e-6)
-    np.testing.assert_allclose(dd, 2 * (owner[:, None] + 1.0) / N, rtol=1e-6)
+    # Horovod's gradients: allgather averages; reducescatter(Average) is the allgather.
+    np.testing.assert_allclose(da, np.full(a.shape, wsum / N), rtol=1e-6)
+    np.testing.assert_allclose(db, np.full(b.shape, 2 * wsum / N), rtol=1e-6)
+    np.testing.assert_allclose(dc, np.repeat((np.arange(N) + 1.0)[:, None], 2, axis=1), rtol=1e-6)
+    np.testing.assert_allclose(dd, 2 * (owner[:, None] + 1.0), rtol=1e-6)
 
 
 def grads_of(mode, fn, x):
@@ -223,20 +224,21 @@ def test_gradients(mode):
     # allreduce(Average): the average of the upstream gradients
     np.testing.assert_allclose(grads_of(mode, lambda t: hvd.allreduce(t), x),
                                np.full(x.shape, wsum / N), rtol=1e-6)
-    # allgather: the reduced upstream gradient of this rank's rows
+    # allgather: the averaged upstream gradient of this rank's rows (Horovod >= 0.22)
     xg = value(R, (R + 1, 2))
-    np.testing.assert_allclose(grads_of(mode, lambda t: hvd.allgather(t), xg), np.full(xg.shape, wsum))
-    # broadcast: summed on the root, zeros elsewhere
-    expect = wsum if R == 0 else 0.0
+    np.testing.assert_allclose(grads_of(mode, lambda t: hvd.allgather(t), xg), np.full(xg.shape, wsum / N),
+                               rtol=1e-6)
+    # broadcast: averaged on the root, zeros elsewhere
+    expect = wsum / N if R == 0 else 0.0
     np.testing.assert_allclose(grads_of(mode, lambda t: hvd.broadcast(t, 0), x), np.full(x.shape, expect))
     # alltoall: gradient travels back to the sender; the weight is the receiver's
     xa = value(R, (N, 2))
     np.testing.assert_allclose(grads_of(mode, lambda t: hvd.alltoall(t), xa),
                                np.repeat(np.arange(1.0, N + 1)[:, None], 2, axis=1))
-    # reducescatter(Sum): every row goes to one rank, which weights it
+    # reducescatter(Sum): every row goes to one rank, which weights it; Horovod multiplies by size
     xr = value(R, (N, 2))
     np.testing.assert_allclose(grads_of(mode, lambda t: hvd.reducescatter(t, op=hvd.Sum), xr),
-                               np.repeat(np.arange(1.0, N + 1)[:, None], 2, axis=1))
+                               N * np.repeat(np.arange(1.0, N + 1)[:, None], 2, axis=1))
 
 
 @pytest.mark.parametrize("mode", MODES)
