@@ -22,8 +22,8 @@ from horolite.errors import (DuplicateNameError, HorovodInternalError, InvalidCo
 from horolite.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 from .compression import Compression
-from .functions import (allgather_object, broadcast_global_variables, broadcast_object,
-                        broadcast_variables, variable_ref)
+from .functions import (allgather_object, broadcast_, broadcast_global_variables, broadcast_object,
+                        broadcast_object_fn, broadcast_variables, variable_ref)
 from .sync_batch_norm import SyncBatchNormalization
 from .gradients import GradientReducer, LocalAggregator, check_arguments
 from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather,
@@ -38,7 +38,7 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "grouped_reducescatter", "broadcast", "alltoall", "reducescatter",
     "join", "barrier", "size_op", "rank_op", "local_size_op", "local_rank_op", "Compression",
-    "broadcast_variables", "broadcast_object", "allgather_object",
+    "broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn", "allgather_object",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
     "SyncBatchNormalization",

@@ -12,8 +12,8 @@ from horolite.errors import HorovodInternalError
 
 from .mpi_ops import graph_unique_name, to_tf_error, wait, _enqueue
 
-__all__ = ["broadcast_variables", "broadcast_object", "allgather_object",
-           "broadcast_global_variables", "variable_name"]
+__all__ = ["broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn",
+           "allgather_object", "broadcast_global_variables", "variable_name"]
 
 
 def variable_name(var, index: int) -> str:
@@ -63,6 +63,19 @@ def broadcast_variables(variables, root_rank: int, name: Optional[str] = None):
     return tf.group(*assigns)
 
 
+def broadcast_(variables, root_rank: int, name: Optional[str] = None, process_set=None):
+    """Horovod's in-place broadcast: assign root_rank's values to `variables` (one
+    variable or a list); returns their values as broadcast."""
+    if process_set is not None:
+        raise NotImplementedError("horolite has no process sets")
+    single = not isinstance(variables, (list, tuple))
+    variables = [variables] if single else list(variables)
+    op = broadcast_variables(variables, root_rank, name=name or "broadcast_")
+    with tf.control_dependencies(None if op is None else [op]):
+        values = [tf.convert_to_tensor(v.value if hasattr(v, "path") else v.read_value()) for v in variables]
+    return values[0] if single else values
+
+
 def broadcast_global_variables(root_rank: int):
     """TF1: an op that broadcasts every global variable from root_rank."""
     if tf.executing_eagerly():
@@ -92,6 +105,15 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
         payload = np.zeros(int(length[0]), np.uint8)
     data = _sync(lambda: _core.broadcast(payload, root_rank, name=f"{name}.data"))
     return pickle.loads(data.tobytes())
+
+
+def broadcast_object_fn(root_rank: int = 0, session=None, name: Optional[str] = None,
+                        process_set=None):
+    """Horovod's factory for TF1 code: a function obj -> root_rank's obj. (horolite
+    broadcasts objects in Python, so no session is needed; `session` is accepted.)"""
+    if process_set is not None:
+        raise NotImplementedError("horolite has no process sets")
+    return lambda obj: broadcast_object(obj, root_rank, name)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:

@@ -283,6 +283,23 @@ def test_broadcast_variables_eager_and_graph():
             np.testing.assert_array_equal(sess.run(v), value(N - 1))
 
 
+def test_inplace_broadcast_eager_and_graph():
+    # Horovod's broadcast_: assigns in place and returns the broadcast values.
+    v, w = tf.Variable(value(R)), tf.Variable(float(R))
+    got = hvd.broadcast_([v, w], root_rank=N - 1)
+    np.testing.assert_array_equal(v.numpy(), value(N - 1))
+    np.testing.assert_array_equal(got[0].numpy(), value(N - 1))
+    w.assign(float(R + 5))
+    assert float(hvd.broadcast_(w, 0).numpy()) == 5.0 == float(w.numpy())
+    with tf.Graph().as_default():
+        g = tf.compat.v1.get_variable("g", initializer=tf.constant(value(R)))
+        out = hvd.broadcast_([g], root_rank=N - 1)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            np.testing.assert_array_equal(sess.run(out)[0], value(N - 1))
+            np.testing.assert_array_equal(sess.run(g), value(N - 1))
+
+
 def test_broadcast_global_variables_hook():
     with tf.Graph().as_default():
         v = tf.compat.v1.get_variable("w", initializer=tf.constant(value(R)))
@@ -296,6 +313,9 @@ def test_broadcast_and_allgather_object():
     obj = {"rank": R, "payload": list(range(R + 3))}
     assert hvd.broadcast_object(obj, root_rank=N - 1) == {"rank": N - 1, "payload": list(range(N + 2))}
     assert hvd.allgather_object(obj) == [{"rank": r, "payload": list(range(r + 3))} for r in range(N)]
+    fn = hvd.broadcast_object_fn(root_rank=N - 1, name="objfn")
+    assert fn(obj) == {"rank": N - 1, "payload": list(range(N + 2))}
+    assert fn(("again", R)) == ("again", N - 1)
 
 
 def test_join_and_barrier():
