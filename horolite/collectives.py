@@ -188,6 +188,7 @@ def _one_handle(name: str, children: List[Handle]) -> Handle:
             if remaining[0]:
                 return
         errors = [c.exception() for c in children if c.exception() is not None]
+        group.first_dims = [c.first_dims for c in children]
         if errors:
             group._set_exception(errors[0])
         else:

@@ -214,6 +214,8 @@ class Executor:
         if entry is None:  # a joined rank's zero contribution: nobody waits for it
             return
         self.queue.finish(resp.name)
+        if resp.first_dims is not None:
+            entry.handle.first_dims = resp.first_dims
         if error is not None:
             entry.handle._set_exception(error)
         else:

@@ -19,7 +19,8 @@ class Handle:
     # A plain lock, held until completion, is the cheapest thing a waiter can block
     # on (threading.Event builds a Condition per handle); it is made only when someone
     # must wait, since most handles of a step are done by the time they are asked.
-    __slots__ = ("name", "_done", "_gate", "_result", "_exception", "_callbacks", "_transform")
+    __slots__ = ("name", "_done", "_gate", "_result", "_exception", "_callbacks", "_transform",
+                 "first_dims")
 
     def __init__(self, name: str, transform: Optional[Callable[[Any], Any]] = None):
         self.name = name
@@ -29,6 +30,9 @@ class Handle:
         self._exception: Optional[BaseException] = None
         self._callbacks: Optional[List[Callable[["Handle"], None]]] = None
         self._transform = transform
+        # An allgather's: every rank's first dimension, in rank order (a list of
+        # them for a grouped allgather). Its gradient needs them to find this rank's rows.
+        self.first_dims = None
 
     def done(self) -> bool:
         return self._done

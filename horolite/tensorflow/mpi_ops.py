@@ -164,32 +164,47 @@ def _from_runtime(result, dtype: tf.DType) -> tf.Tensor:
     return tf.convert_to_tensor(np.asarray(result).astype(dtype.as_numpy_dtype, copy=False))
 
 
-def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence) -> List[tf.Tensor]:
-    """The wait op: synchronize handle `hid`; returns one tensor per dtype."""
+def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence, with_rows: bool = False) -> List[tf.Tensor]:
+    """The wait op: synchronize handle `hid`; returns one tensor per dtype.
+
+    with_rows (allgathers): then also, per result, every rank's first dimension
+    (int64, in rank order), which the gradient needs to find this rank's rows.
+    """
     np_dtypes = [d.as_numpy_dtype for d in dtypes]
+    if with_rows:
+        shapes = list(shapes) + [[_core.size()]] * len(dtypes)
+        all_dtypes = list(dtypes) + [tf.int64] * len(dtypes)
+    else:
+        all_dtypes = list(dtypes)
+
+    def results(h):
+        handle = _take(h)
+        result = handle.result()
+        if not isinstance(result, (list, tuple)):
+            result, dims = [result], [handle.first_dims]
+        else:
+            dims = handle.first_dims
+        return result, ([np.asarray(d, np.int64) for d in dims] if with_rows else [])
 
     def fetch(h):
-        result = _take(h).result()
-        if not isinstance(result, (list, tuple)):
-            result = [result]
-        return [np.asarray(r).astype(d, copy=False) for r, d in zip(result, np_dtypes)]
+        result, rows = results(h)
+        return [np.asarray(r).astype(d, copy=False) for r, d in zip(result, np_dtypes)] + rows
 
     if _nccl_active():
         def fetch_tensors(h):
-            result = _take(int(h)).result()
-            if not isinstance(result, (list, tuple)):
-                result = [result]
-            return [_from_runtime(r, d) for r, d in zip(result, dtypes)]
+            result, rows = results(int(h))
+            return [_from_runtime(r, d) for r, d in zip(result, dtypes)] + \
+                [tf.constant(r) for r in rows]
 
         if tf.executing_eagerly():
             return _guarded(fetch_tensors)(hid)
-        outs = tf.py_function(fetch_tensors, [hid], list(dtypes), name="HorolitWait")
+        outs = tf.py_function(fetch_tensors, [hid], all_dtypes, name="HorolitWait")
         for out, shape in zip(outs, shapes):
             out.set_shape(shape)
         return list(outs)
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(r) for r in _guarded(fetch)(hid)]
-    outs = tf.numpy_function(fetch, [hid], list(dtypes), stateful=True, name="HorolitWait")
+    outs = tf.numpy_function(fetch, [hid], all_dtypes, stateful=True, name="HorolitWait")
     for out, shape in zip(outs, shapes):
         out.set_shape(shape)
     return list(outs)
@@ -346,8 +361,13 @@ def grouped_allreduce(tensors, op=Average, compression=None, prescale_factor: fl
 
 
 def _allgather_raw(x: tf.Tensor, name) -> tf.Tensor:
-    return _run(lambda a: _core.allgather_async(a, name), [x], [x.dtype],
-                [tf.TensorShape([None]).concatenate(x.shape[1:])])[0]
+    return _allgather_with_rows(x, name)[0]
+
+
+def _allgather_with_rows(x: tf.Tensor, name):
+    """(the gathered tensor, every rank's first dimension)."""
+    hid = _enqueue(lambda a: _core.allgather_async(a, name), [x])
+    return wait(hid, [x.dtype], [tf.TensorShape([None]).concatenate(x.shape[1:])], with_rows=True)
 
 
 def allgather(tensor, name: Optional[str] = None) -> tf.Tensor:
@@ -367,20 +387,20 @@ def allgather_with_gradient(tensor, name: Optional[str], grad_op: ReduceOp) -> t
 
     @tf.custom_gradient
     def fn(x):
-        return _allgather_raw(x, name), lambda dy: _allgather_grad(x, dy, name, grad_op)
+        y, rows = _allgather_with_rows(x, name)
+        return y, lambda dy: _allgather_grad(x, dy, rows, name, grad_op)
     return fn(tensor)
 
 
-def _allgather_grad(x: tf.Tensor, dy, name: Optional[str], op: ReduceOp = ReduceOp.AVERAGE) -> tf.Tensor:
-    """The upstream gradient reduced over ranks with `op`, then this rank's rows."""
+def _allgather_grad(x: tf.Tensor, dy, rows: tf.Tensor, name: Optional[str],
+                    op: ReduceOp = ReduceOp.AVERAGE) -> tf.Tensor:
+    """The upstream gradient reduced over ranks with `op`, then this rank's rows
+    (found from every rank's first dimension, which the forward allgather learnt)."""
     dy = tf.convert_to_tensor(dy)
-    summed = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodAllgatherGrad", dy),
-                            op, 1.0, 1.0)
-    rows = tf.shape(x, out_type=tf.int64)[:1]
-    all_rows = _allgather_raw(rows, _resolve_name(None if name is None else f"{name}.grad_rows",
-                                                  "HorovodAllgatherGradRows", rows))
-    start = tf.reduce_sum(all_rows[:_core.rank()])
-    return tf.slice(summed, tf.concat([[start], tf.zeros([tf.rank(dy) - 1], tf.int64)], 0),
+    reduced = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodAllgatherGrad", dy),
+                             op, 1.0, 1.0)
+    start = tf.reduce_sum(rows[:_core.rank()])
+    return tf.slice(reduced, tf.concat([[start], tf.zeros([tf.rank(dy) - 1], tf.int64)], 0),
                     tf.shape(x, out_type=tf.int64))
 
 
@@ -394,11 +414,13 @@ def grouped_allgather(tensors, name: Optional[str] = None) -> List[tf.Tensor]:
     @tf.custom_gradient
     def fn(*xs):
         hid = _enqueue(lambda *a: _core.grouped_allgather_async(list(a), name), list(xs))
-        ys = wait(hid, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
+        outs = wait(hid, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:])
+                                                 for x in xs], with_rows=True)
+        ys, rows = outs[:len(xs)], outs[len(xs):]
 
         def grad(*dys):
-            return [_allgather_grad(x, dy, None if name is None else f"{name}.{i}")
-                    for i, (x, dy) in enumerate(zip(xs, dys))]
+            return [_allgather_grad(x, dy, r, None if name is None else f"{name}.{i}")
+                    for i, (x, dy, r) in enumerate(zip(xs, dys, rows))]
         return ys, grad
     return list(fn(*tensors))
 

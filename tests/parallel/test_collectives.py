@@ -130,7 +130,9 @@ def test_allgather_uneven_first_dim(dtype):
             return (np.arange(rows(r) * 3).reshape(rows(r), 3) + r) % 2 == 0
         return make(r, (rows(r), 3), dtype, ("ag", dtype))
 
-    got = hvd.allgather(part(RANK), name=f"ag.{dtype}")
+    handle = hvd.allgather_async(part(RANK), name=f"ag.{dtype}")
+    got = hvd.synchronize(handle)
+    assert handle.first_dims == tuple(rows(r) for r in range(SIZE))
     want = np.concatenate([part(r) for r in range(SIZE)])
     assert got.dtype == want.dtype and got.shape == want.shape
     assert np.array_equal(got.astype(np.float64), want.astype(np.float64))
@@ -203,7 +205,10 @@ def test_grouped_allgather_and_reducescatter():
         return [make(r, ((r + i) % 3, 2), dtype, ("gag", i)) for i, dtype in
                 enumerate(["float32", "int64", "bfloat16"])]
 
-    got = hvd.grouped_allgather(parts(RANK), name="gag")
+    handle = hvd.grouped_allgather_async(parts(RANK), name="gag")
+    got = hvd.synchronize(handle)
+    # every rank's first dimension, per member (what the TensorFlow gradient slices by)
+    assert handle.first_dims == [tuple((r + i) % 3 for r in range(SIZE)) for i in range(3)]
     for i, g in enumerate(got):
         want = np.concatenate([parts(r)[i] for r in range(SIZE)])
         assert g.dtype == want.dtype and g.shape == want.shape
