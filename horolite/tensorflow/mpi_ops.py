@@ -406,20 +406,29 @@ def _allgather_grad(x: tf.Tensor, dy, rows: tf.Tensor, name: Optional[str],
 
 def grouped_allgather(tensors, name: Optional[str] = None) -> List[tf.Tensor]:
     """allgather of each tensor, submitted as one group (one enqueue op; they negotiate together)."""
+    return _grouped_along_first_dim(tensors, name, "HorovodGroupedAllgather",
+                                    _core.grouped_allgather_async, _allgather_grad, with_rows=True)
+
+
+def _grouped_along_first_dim(tensors, name: Optional[str], kind: str, submit: Callable,
+                             member_grad: Callable, with_rows: bool = False) -> List[tf.Tensor]:
+    """A group of collectives whose results differ from their inputs in the first dimension
+    only (allgather, reducescatter): one enqueue op and one wait op for the group;
+    member_grad(x, dy, rows, name) is each member's gradient (rows: with_rows' output)."""
     tensors = [_as_tensor(t) for t in tensors]
     if not tensors:
         return []
-    name = _resolve_name(name, "HorovodGroupedAllgather", tensors[0])
+    name = _resolve_name(name, kind, tensors[0])
 
     @tf.custom_gradient
     def fn(*xs):
-        hid = _enqueue(lambda *a: _core.grouped_allgather_async(list(a), name), list(xs))
+        hid = _enqueue(lambda *a: submit(list(a), name), list(xs))
         outs = wait(hid, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:])
-                                                 for x in xs], with_rows=True)
-        ys, rows = outs[:len(xs)], outs[len(xs):]
+                                                 for x in xs], with_rows=with_rows)
+        ys, rows = outs[:len(xs)], outs[len(xs):] or [None] * len(xs)
 
         def grad(*dys):
-            return [_allgather_grad(x, dy, r, None if name is None else f"{name}.{i}")
+            return [member_grad(x, dy, r, None if name is None else f"{name}.{i}")
                     for i, (x, dy, r) in enumerate(zip(xs, dys, rows))]
         return ys, grad
     return list(fn(*tensors))
@@ -537,21 +546,10 @@ def _reducescatter_grad(dy, op: ReduceOp, name: Optional[str]) -> tf.Tensor:
 def grouped_reducescatter(tensors, op=Average, name: Optional[str] = None) -> List[tf.Tensor]:
     """reducescatter of each tensor, submitted as one group (one enqueue op)."""
     op = _check_reducescatter_op(op)
-    tensors = [_as_tensor(t) for t in tensors]
-    if not tensors:
-        return []
-    name = _resolve_name(name, "HorovodGroupedReducescatter", tensors[0])
-
-    @tf.custom_gradient
-    def fn(*xs):
-        hid = _enqueue(lambda *a: _core.grouped_reducescatter_async(list(a), op, name), list(xs))
-        ys = wait(hid, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
-
-        def grad(*dys):
-            return [_reducescatter_grad(dy, op, None if name is None else f"{name}.{i}")
-                    for i, dy in enumerate(dys)]
-        return ys, grad
-    return list(fn(*tensors))
+    return _grouped_along_first_dim(
+        tensors, name, "HorovodGroupedReducescatter",
+        lambda arrays, nm: _core.grouped_reducescatter_async(arrays, op, nm),
+        lambda x, dy, rows, nm: _reducescatter_grad(dy, op, nm))
 
 
 def join() -> tf.Tensor:
