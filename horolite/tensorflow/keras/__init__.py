@@ -20,11 +20,9 @@ from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
                       shutdown, size, start_timeline, stop_timeline)
 from horolite.ops import Adasum, Average, Max, Min, Product, Sum
 
-from .. import _local_layer_variables
-from .. import SyncBatchNormalization
-from .. import (Compression, allgather, allgather_object, allreduce, broadcast, broadcast_object,
-                broadcast_variables, grouped_allgather, grouped_allreduce, grouped_reducescatter,
-                join, reducescatter)
+from .. import (Compression, SyncBatchNormalization, _local_layer_variables, allgather,
+                allgather_object, allreduce, broadcast, broadcast_object, broadcast_variables,
+                grouped_allgather, grouped_allreduce, grouped_reducescatter, join, reducescatter)
 from ..gradients import GradientReducer, LocalAggregator, check_arguments
 from . import callbacks
 
