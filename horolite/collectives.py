@@ -188,7 +188,8 @@ def _one_handle(name: str, children: List[Handle]) -> Handle:
             if remaining[0]:
                 return
         errors = [c.exception() for c in children if c.exception() is not None]
-        group.first_dims = [c.first_dims for c in children]
+        if any(c.first_dims is not None for c in children):  # allgathers
+            group.first_dims = [c.first_dims for c in children]
         if errors:
             group._set_exception(errors[0])
         else:

@@ -33,7 +33,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     """keras.layers.BatchNormalization whose training statistics span all ranks (Horovod's name).
 
     Every rank must call the layer in training mode at the same steps, as
-    with any collective; the layer's name names its allreduce.
+    with any collective; the layer's name names its allgather.
     """
 
     def __init__(self, fused=False, **kwargs):
@@ -47,7 +47,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             return super()._moments(inputs, mask)
         axes = list(self._reduction_axes)
         # Each rank's count, mean and sum of squared deviations, gathered and combined
-        # pairwise-free (Chan et al.): no E[x^2] - E[x]^2 cancellation when the mean is
+        # as Chan et al. combine partial variances: no E[x^2] - E[x]^2 cancellation when the mean is
         # large against the spread. One allgather of 3 x channels values per rank.
         if mask is None:
             mean, var = tf.nn.moments(inputs, axes, keepdims=True)

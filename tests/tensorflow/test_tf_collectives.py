@@ -301,6 +301,17 @@ def test_inplace_broadcast_eager_and_graph():
             np.testing.assert_array_equal(sess.run(g), value(N - 1))
 
 
+def test_refusals_name_what_is_not_supported():
+    with pytest.raises(NotImplementedError, match="no process sets"):
+        hvd.broadcast_([tf.Variable(1.0)], 0, process_set=object())
+    with pytest.raises(NotImplementedError, match="no process sets"):
+        hvd.broadcast_object_fn(process_set=object())
+    for call in (lambda: hvd.reducescatter(tf.ones([N, 2]), op=hvd.Max),
+                 lambda: hvd.grouped_reducescatter([tf.ones([N, 2])], op=hvd.Max)):
+        with pytest.raises(ValueError, match="reducescatter supports Average and Sum, not MAX"):
+            call()
+
+
 def test_broadcast_global_variables_hook():
     with tf.Graph().as_default():
         v = tf.compat.v1.get_variable("w", initializer=tf.constant(value(R)))

@@ -130,6 +130,22 @@ def test_fit_equals_one_process_with_plain_batch_norm():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(N < 2, reason="a mismatch needs two ranks")
+def test_channel_mismatch_names_the_layer_then_works():
+    # Rank 0 normalizes 3 channels, the others 4: every rank's error names the layer's
+    # gather and the shapes; the same layer name then works with agreeing shapes.
+    channels = 3 if R == 0 else 4
+    layer = hvd.SyncBatchNormalization(name="mismatched_bn")
+    with pytest.raises(tf.errors.OpError, match="SyncBatchNormalization.mismatched_bn") as info:
+        layer(tf.ones([2, channels]), training=True)
+    assert "shape" in str(info.value), str(info.value)
+    good = hvd.SyncBatchNormalization(name="agreeing_bn", epsilon=EPS)
+    y = good(tf.constant(rank_rows(R, (3,))), training=True).numpy()
+    full = global_batch((3,)).astype(np.float64)
+    expect = (rank_rows(R, (3,)) - full.mean(0)) / np.sqrt(full.var(0) + EPS)
+    np.testing.assert_allclose(y, expect, rtol=1e-4, atol=1e-4)
+
+
 def test_saves_and_loads(tmp_path):
     model = model_with(hvd.SyncBatchNormalization)
     path = str(tmp_path / f"sync_bn_{R}.keras")
