@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 
 from . import config as config_mod
-from . import log
+from . import launch_check, log
 from .errors import NotInitializedError
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -29,6 +30,7 @@ def init(comm=None) -> None:
         from mpi4py import MPI
         from .runtime import Runtime
 
+        launch_check.check(MPI.COMM_WORLD.Get_size(), os.environ, MPI.Get_library_version)
         comm = _communicator(MPI, comm)
         cfg = config_mod.from_environ()
         log.configure(cfg.log_level, comm.Get_rank(), comm.Get_size())

@@ -15,7 +15,8 @@ import sys
 from typing import Mapping, Optional, Sequence, Tuple
 
 from . import hosts as hostlib
-from . import mpi
+from . import mpi, sources
+from .rank_source import SSH
 from .version import horolite_version
 
 __all__ = ["LaunchConfig", "get_args_parser", "config_from_args", "tunable_env", "main"]
@@ -36,6 +37,8 @@ class LaunchConfig:
     output_filename: Optional[str] = None
     start_timeout: float = 30.0
     verbose: bool = False
+    start: str = SSH  # how mpirun starts ranks on the hosts (rank_source.SSH or SLURM)
+    start_help: str = ""  # what to check when ranks do not start
 
 
 def _env_default(names: Sequence[str], default, environ: Mapping[str, str]):
@@ -196,23 +199,14 @@ def config_from_args(args: argparse.Namespace,
         command = command[1:]
     if not command:
         raise ValueError("no command given (usage: horolite-run -np 4 python train.py)")
-    if args.hosts:
-        host_list = hostlib.parse_hosts(args.hosts)
-    elif args.hostfile:
-        try:
-            with open(args.hostfile, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ValueError(f"cannot read --hostfile {args.hostfile}: {e.strerror}") from None
-        host_list = hostlib.parse_hostfile(text, args.hostfile)
-    else:
-        host_list = ()
+    ranks = sources.discover(args, environ)  # -H, --hostfile, Slurm, MPI Operator
+    host_list = ranks.hosts if ranks else ()
     slots = hostlib.total_slots(host_list)
     num_proc = args.num_proc if args.num_proc is not None else slots
     if not num_proc:
         raise ValueError("give the number of ranks with -np N (or hosts with -H/--hostfile)")
     if host_list and num_proc > slots:
-        raise ValueError(f"-np {num_proc} is more than the {slots} slots of the hosts "
+        raise ValueError(f"-np {num_proc} is more than the {slots} slots of {ranks.origin} "
                          f"({', '.join(f'{h}:{n}' for h, n in host_list)})")
 
     env = dict(tunable_env(args))
@@ -240,7 +234,9 @@ def config_from_args(args: argparse.Namespace,
     return LaunchConfig(command=tuple(command), num_proc=num_proc, hosts=host_list,
                         env=tuple(env.items()), mpi_args=mpi_args,
                         network_interface=args.network_interface, output_filename=output,
-                        start_timeout=args.start_timeout, verbose=args.verbose)
+                        start_timeout=args.start_timeout, verbose=args.verbose,
+                        start=ranks.start if ranks else SSH,
+                        start_help=ranks.help if ranks else "")
 
 
 def wrapper_argv(config: LaunchConfig, python: Optional[str] = None) -> Tuple[str, ...]:
@@ -288,7 +284,7 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     from .supervise import Supervisor
     supervisor = Supervisor(argv, config.num_proc,
                             hostlib.rank_hosts(config.hosts, config.num_proc),
-                            start_timeout=config.start_timeout)
+                            start_timeout=config.start_timeout, start_help=config.start_help)
     result = supervisor.run()
     if result.message:
         print(f"horolite-run: {result.message}", file=sys.stderr, flush=True)

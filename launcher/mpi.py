@@ -15,6 +15,8 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence
 
+from .rank_source import SLURM, SSH
+
 __all__ = ["MPICH", "OPENMPI", "MpiInstall", "NoMPIError", "find_mpirun", "detect_implementation",
            "find_mpi", "build_mpirun_command"]
 
@@ -92,6 +94,20 @@ def find_mpi(environ=None) -> MpiInstall:
     return MpiInstall(path=path, implementation=impl, version=_short_version(impl, text))
 
 
+def _used_hosts(config):
+    """The hosts given; inside a Slurm allocation only those the ranks fill (srun starts
+    daemons on every host named, so an unused node would still get one)."""
+    if getattr(config, "start", SSH) != SLURM:
+        return config.hosts
+    used, left = [], config.num_proc
+    for name, slots in config.hosts:
+        if left <= 0:
+            break
+        used.append((name, min(slots, left)))
+        left -= min(slots, left)
+    return tuple(used)
+
+
 def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: bool = False,
                          wrapper: Sequence[str] = ()) -> List[str]:
     """The argv that launches ``config.command`` on ``config.num_proc`` ranks.
@@ -100,12 +116,15 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
     rank runs ``wrapper + command``.
     """
     cmd: List[str] = [mpirun]
+    hosts = _used_hosts(config)
     set_env = [(k, v) for k, v in config.env if v is not None]
     pass_env = [k for k, v in config.env if v is None]
     if impl == MPICH:
         cmd += ["-np", str(config.num_proc)]
-        if config.hosts:
-            cmd += ["-hosts", ",".join(f"{h}:{n}" for h, n in config.hosts)]
+        if config.start == SLURM:  # hydra starts its proxies with srun, not ssh
+            cmd += ["-launcher", "slurm"]
+        if hosts:
+            cmd += ["-hosts", ",".join(f"{h}:{n}" for h, n in hosts)]
         for name, value in set_env:
             cmd += ["-genv", name, value]
         if pass_env:
@@ -118,8 +137,10 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
             cmd += ["--allow-run-as-root"]
         # More ranks than cores (or than a host's slots) is allowed, as with MPICH.
         cmd += ["--oversubscribe"]
-        if config.hosts:
-            cmd += ["--host", ",".join(f"{h}:{n}" for h, n in config.hosts)]
+        if config.start == SLURM:  # PRRTE starts its daemons with srun, not ssh
+            cmd += ["--prtemca", "plm", "slurm"]
+        if hosts:
+            cmd += ["--host", ",".join(f"{h}:{n}" for h, n in hosts)]
         for name, value in set_env:
             cmd += ["-x", f"{name}={value}"]
         for name in pass_env:

@@ -124,11 +124,12 @@ def _set_session_and_parent_death():  # in mpirun's process, between fork and ex
 class Supervisor:
     def __init__(self, argv: Sequence[str], num_proc: int, rank_hosts: Sequence[str], *,
                  start_timeout: float, fail_grace: float = 2.0, kill_grace: float = 3.0,
-                 log=None):
+                 log=None, start_help: str = ""):
         self.argv = list(argv)
         self.num_proc = num_proc
         self.rank_hosts = list(rank_hosts)
         self.start_timeout = start_timeout
+        self.start_help = start_help or "Check that these hosts are reachable (ssh without a password)"
         self.fail_grace = fail_grace
         self.kill_grace = kill_grace
         self.ranks: Dict[int, RankStatus] = {r: RankStatus(r) for r in range(num_proc)}
@@ -312,8 +313,7 @@ class Supervisor:
         return (f"only {self.num_proc - len(missing)} of {self.num_proc} ranks started within "
                 f"--start-timeout {self.start_timeout:g}s; missing ranks "
                 f"{', '.join(map(str, missing))} (on {', '.join(where) or 'unknown hosts'}). "
-                f"Check that these hosts are reachable (ssh without a password), and that "
-                f"{sys.executable} exists there")
+                f"{self.start_help}, and that {sys.executable} exists there")
 
     def _result(self, returncode: int) -> JobResult:
         if self.interrupted is not None:
