@@ -39,6 +39,7 @@ class LaunchConfig:
     verbose: bool = False
     start: str = SSH  # how mpirun starts ranks on the hosts (rank_source.SSH or SLURM)
     start_help: str = ""  # what to check when ranks do not start
+    mpirun_env: Tuple[Tuple[str, str], ...] = ()  # added to mpirun's own environment
 
 
 def _env_default(names: Sequence[str], default, environ: Mapping[str, str]):
@@ -236,7 +237,8 @@ def config_from_args(args: argparse.Namespace,
                         network_interface=args.network_interface, output_filename=output,
                         start_timeout=args.start_timeout, verbose=args.verbose,
                         start=ranks.start if ranks else SSH,
-                        start_help=ranks.help if ranks else "")
+                        start_help=ranks.help if ranks else "",
+                        mpirun_env=ranks.mpirun_env if ranks else ())
 
 
 def wrapper_argv(config: LaunchConfig, python: Optional[str] = None) -> Tuple[str, ...]:
@@ -284,7 +286,8 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     from .supervise import Supervisor
     supervisor = Supervisor(argv, config.num_proc,
                             hostlib.rank_hosts(config.hosts, config.num_proc),
-                            start_timeout=config.start_timeout, start_help=config.start_help)
+                            start_timeout=config.start_timeout, start_help=config.start_help,
+                            env=dict(os.environ, **dict(config.mpirun_env)))
     result = supervisor.run()
     if result.message:
         print(f"horolite-run: {result.message}", file=sys.stderr, flush=True)

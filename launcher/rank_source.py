@@ -22,3 +22,4 @@ class Ranks:
     origin: str  # what they came from, for messages: "the hosts", "the Slurm allocation (...)"
     start: str = SSH  # how mpirun starts processes on the hosts: SSH or SLURM
     help: str = ""  # what to check when ranks do not start in time
+    mpirun_env: Tuple[Tuple[str, str], ...] = ()  # set for mpirun itself (not the ranks' settings)

@@ -77,17 +77,17 @@ def parse_tasks_per_node(text: str) -> List[int]:
     return counts
 
 
-def _allocation(environ: Mapping[str, str]) -> Tuple[Tuple[str, int], ...]:
+def _allocation(environ: Mapping[str, str], per_node_var: str) -> Tuple[Tuple[str, int], ...]:
     nodelist = environ["SLURM_JOB_NODELIST"]
     nodes = expand_nodelist(nodelist)
-    per_node_text = environ.get("SLURM_TASKS_PER_NODE") or environ.get("SLURM_JOB_CPUS_PER_NODE")
+    per_node_text = environ.get(per_node_var) or environ.get("SLURM_JOB_CPUS_PER_NODE")
     per_node = parse_tasks_per_node(per_node_text) if per_node_text else [1] * len(nodes)
     if len(per_node) != len(nodes):
         raise ValueError(f"the Slurm allocation does not add up: SLURM_JOB_NODELIST={nodelist} "
-                         f"names {len(nodes)} nodes, SLURM_TASKS_PER_NODE={per_node_text} "
+                         f"names {len(nodes)} nodes, {per_node_var}={per_node_text} "
                          f"gives {len(per_node)} task counts")
     hosts = [(n, c) for n, c in zip(nodes, per_node) if c > 0]
-    ntasks = environ.get("SLURM_NTASKS", "")
+    ntasks = environ.get("SLURM_NTASKS", "") if per_node_var == "SLURM_TASKS_PER_NODE" else ""
     if ntasks.isdigit():  # never more than the job's task count
         left, trimmed = int(ntasks), []
         for name, count in hosts:
@@ -99,13 +99,33 @@ def _allocation(environ: Mapping[str, str]) -> Tuple[Tuple[str, int], ...]:
 
 
 def discover(args, environ: Mapping[str, str]) -> Optional[Ranks]:
-    """The allocation's hosts and task counts when run inside one; else None."""
+    """The allocation's hosts and task counts when run inside one; else None.
+
+    Run by ``srun`` (inside a job step), the step's variables describe that step:
+    one task (``srun --pty bash``) gets the job's CPUs as slots, and mpirun's own
+    srun may overlap the step (SLURM_OVERLAP=1); several tasks would each start
+    a whole job, which is refused.
+    """
     if not environ.get("SLURM_JOB_ID") or not environ.get("SLURM_JOB_NODELIST"):
         return None
-    hosts = _allocation(environ)
-    tasks = environ.get("SLURM_TASKS_PER_NODE", "?")
-    origin = (f"the Slurm allocation (job {environ['SLURM_JOB_ID']}: "
-              f"SLURM_JOB_NODELIST={environ['SLURM_JOB_NODELIST']}, SLURM_TASKS_PER_NODE={tasks}"
+    job = environ["SLURM_JOB_ID"]
+    if environ.get("SLURM_STEP_ID") not in (None, "", "batch"):
+        tasks = environ.get("SLURM_STEP_NUM_TASKS", "1")
+        if tasks.isdigit() and int(tasks) > 1:
+            raise ValueError(
+                f"horolite-run was started by srun as one of {tasks} tasks (job {job}, "
+                f"SLURM_STEP_NUM_TASKS={tasks}): each would start a job of its own. Run "
+                f"horolite-run once, in the batch script or the salloc shell, or start the ranks "
+                f"with srun alone: srun --mpi=pmi2 python train.py")
+        hosts = _allocation(environ, "SLURM_JOB_CPUS_PER_NODE")
+        origin = (f"the Slurm allocation (job {job} from inside step {environ['SLURM_STEP_ID']}: "
+                  f"SLURM_JOB_NODELIST={environ['SLURM_JOB_NODELIST']}, "
+                  f"SLURM_JOB_CPUS_PER_NODE={environ.get('SLURM_JOB_CPUS_PER_NODE', '?')})")
+        return Ranks(hosts, origin, start=SLURM, help=HELP, mpirun_env=(("SLURM_OVERLAP", "1"),))
+    hosts = _allocation(environ, "SLURM_TASKS_PER_NODE")
+    origin = (f"the Slurm allocation (job {job}: "
+              f"SLURM_JOB_NODELIST={environ['SLURM_JOB_NODELIST']}, "
+              f"SLURM_TASKS_PER_NODE={environ.get('SLURM_TASKS_PER_NODE', '?')}"
               + (f", SLURM_NTASKS={environ['SLURM_NTASKS']}" if environ.get("SLURM_NTASKS") else "")
               + ")")
     return Ranks(hosts, origin, start=SLURM, help=HELP)

@@ -124,13 +124,14 @@ def _set_session_and_parent_death():  # in mpirun's process, between fork and ex
 class Supervisor:
     def __init__(self, argv: Sequence[str], num_proc: int, rank_hosts: Sequence[str], *,
                  start_timeout: float, fail_grace: float = 2.0, kill_grace: float = 3.0,
-                 log=None, start_help: str = ""):
+                 log=None, start_help: str = "", env=None):
         self.argv = list(argv)
         self.num_proc = num_proc
         self.rank_hosts = list(rank_hosts)
         self.start_timeout = start_timeout
         self.start_help = start_help or "Check that these hosts are reachable (ssh without a password)"
         self.fail_grace = fail_grace
+        self.env = env  # mpirun's environment (None: this one)
         self.kill_grace = kill_grace
         self.ranks: Dict[int, RankStatus] = {r: RankStatus(r) for r in range(num_proc)}
         self.events: "queue.Queue" = queue.Queue()
@@ -173,7 +174,7 @@ class Supervisor:
     def _run(self) -> JobResult:
         try:
             proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    preexec_fn=_set_session_and_parent_death)
+                                    preexec_fn=_set_session_and_parent_death, env=self.env)
         except OSError as e:
             return JobResult(127, f"cannot run {self.argv[0]}: {e.strerror}")
         self.proc = proc

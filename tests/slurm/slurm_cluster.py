@@ -1,0 +1,215 @@
+"""A one-node Slurm cluster on this machine, started for the tests and stopped after them.
+
+munged (its own key and socket), slurmctld and slurmd (in the foreground, as
+our child processes) run with a slurm.conf written to a fresh directory: the
+node is this host under its own name at 127.0.0.1, the ports are free ones
+picked at start. ``SLURM_CONF`` in ``cluster.env`` points the client commands
+(sbatch, srun, squeue, scancel) at it. ``stop()`` cancels every job, stops the
+daemons by pid and waits for them; it is safe to call twice.
+"""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel", "sinfo")
+
+
+class SlurmUnavailable(Exception):
+    """Why the cluster cannot run here (the tests skip with this reason)."""
+
+
+def _free_ports(count):
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _find(name):
+    return shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/usr/bin:/sbin")
+
+
+SLURM_CONF = """\
+ClusterName=horolite
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser={user}
+SlurmdUser=root
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+AuthInfo=socket={munge_socket}
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+SlurmdDebug=info
+SlurmctldDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+KillWait=5
+MinJobAge=30
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmdTimeout=30
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+"""
+
+
+class SlurmCluster:
+    def __init__(self, root, cpus=4):
+        self.root = str(root)
+        self.cpus = cpus
+        self.host = socket.gethostname().split(".")[0]
+        self.procs = {}
+        self.env = dict(os.environ)
+        self.env["SLURM_CONF"] = os.path.join(self.root, "slurm.conf")
+        for name in list(self.env):
+            if name.startswith(("SLURM_", "SBATCH_", "SALLOC_")) and name != "SLURM_CONF":
+                del self.env[name]
+
+    # ---- start ----
+    def start(self, timeout=60):
+        missing = [n for n in ("munged", "slurmctld", "slurmd", "sbatch", "srun") if not _find(n)]
+        if missing:
+            raise SlurmUnavailable(f"not installed: {', '.join(missing)} (apt-get install slurm-wlm munge)")
+        if os.geteuid() != 0:
+            raise SlurmUnavailable("slurmd must run as root to start jobs (not root here)")
+        try:
+            socket.gethostbyname(self.host)
+        except OSError:
+            raise SlurmUnavailable(f"this host's name {self.host!r} does not resolve") from None
+        for sub in ("state", "spool", "munge"):
+            os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
+        os.chmod(self.root, 0o755)
+        self.munge_socket = os.path.join(self.root, "munge", "munge.socket")
+        key = os.path.join(self.root, "munge", "munge.key")
+        with open(key, "wb") as f:
+            f.write(os.urandom(1024))
+        os.chmod(key, 0o400)
+        ctld_port, slurmd_port = _free_ports(2)
+        import pwd
+        with open(self.env["SLURM_CONF"], "w") as f:
+            f.write(SLURM_CONF.format(host=self.host, user=pwd.getpwuid(os.geteuid()).pw_name,
+                                      ctld_port=ctld_port, slurmd_port=slurmd_port,
+                                      munge_socket=self.munge_socket, root=self.root,
+                                      cpus=self.cpus))
+        try:
+            self._spawn("munged", [_find("munged"), "-F", "--force", f"--socket={self.munge_socket}",
+                                   f"--key-file={key}",
+                                   f"--pid-file={self.root}/munge/munged.pid",
+                                   f"--log-file={self.root}/munge/munged.log",
+                                   f"--seed-file={self.root}/munge/munged.seed"])
+            self._wait(lambda: os.path.exists(self.munge_socket), 10, "munged to open its socket")
+            self._spawn("slurmctld", [_find("slurmctld"), "-D", "-i", "-f", self.env["SLURM_CONF"]])
+            self._wait(self._controller_up, 30, "slurmctld to answer")
+            self._spawn("slurmd", [_find("slurmd"), "-D", "-f", self.env["SLURM_CONF"]])
+            self._wait(self._node_idle, timeout, f"node {self.host} to be idle")
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name, argv):
+        log = open(os.path.join(self.root, f"{name}.out"), "wb")
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=self.env,
+                                            start_new_session=True)
+        log.close()
+
+    def _wait(self, ready, seconds, what):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise SlurmUnavailable(f"{name} exited with code {proc.returncode} while "
+                                           f"waiting for {what}: {self.tail(name)}")
+            if ready():
+                return
+            time.sleep(0.2)
+        raise SlurmUnavailable(f"timed out after {seconds}s waiting for {what}: "
+                               f"{self.tail('slurmd')} {self.tail('slurmctld')}")
+
+    def tail(self, name, lines=8):
+        text = ""
+        for path in (os.path.join(self.root, f"{name}.out"), os.path.join(self.root, f"{name}.log")):
+            if os.path.exists(path):
+                with open(path, errors="replace") as f:
+                    text += "".join(f.readlines()[-lines:])
+        return text.strip()
+
+    def _controller_up(self):
+        return self.cmd("sinfo", "-h", "-o", "%P", check=False).returncode == 0
+
+    def node_state(self):
+        r = self.cmd("sinfo", "-h", "-N", "-o", "%T", check=False)
+        return r.stdout.strip()
+
+    def _node_idle(self):
+        return self.node_state() == "idle"
+
+    # ---- use ----
+    def cmd(self, *argv, check=True, timeout=60, **kw):
+        r = subprocess.run(list(argv), capture_output=True, text=True, env=kw.pop("env", self.env),
+                           timeout=timeout, stdin=subprocess.DEVNULL, **kw)
+        if check and r.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr}{r.stdout}")
+        return r
+
+    def job_state(self, job_id):
+        r = self.cmd("scontrol", "show", "job", str(job_id), check=False)
+        for field in r.stdout.split():
+            if field.startswith("JobState="):
+                return field.split("=", 1)[1]
+        return ""
+
+    def wait_job(self, job_id, seconds=120):
+        """Wait until the job has ended; returns its final state."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            state = self.job_state(job_id)
+            if state and state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"):
+                return state
+            time.sleep(0.3)
+        raise AssertionError(f"job {job_id} still {self.job_state(job_id)} after {seconds}s")
+
+    # ---- stop ----
+    def stop(self):
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            self.cmd("scancel", "--full", "-u", str(os.geteuid()), check=False, timeout=20)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and self.cmd(
+                    "squeue", "-h", check=False, timeout=20).stdout.strip():
+                time.sleep(0.3)
+        for name in ("slurmd", "slurmctld", "munged"):
+            proc = self.procs.pop(name, None)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

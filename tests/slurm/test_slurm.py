@@ -1,0 +1,157 @@
+"""horolite under a real Slurm (slurmctld + slurmd + munged started by conftest.py).
+
+sbatch/salloc running horolite-run (ranks and hosts from the allocation), srun
+straight into the ranks (--mpi=pmi2), the singleton trap (srun without PMI),
+scancel of a running job, and a failing rank named in the job's output.
+"""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RANK_JOB = os.path.join(HERE, "rank_job.py")
+LAUNCHER = f"{shlex.quote(sys.executable)} -m horolite.launcher"
+PYTHON = shlex.quote(sys.executable)
+
+
+def marks(outdir):
+    found = {}
+    for name in os.listdir(outdir):
+        if name.endswith(".json"):
+            with open(os.path.join(outdir, name)) as f:
+                found[int(name[:-5])] = json.load(f)
+    return found
+
+
+def check_ranks(outdir, size):
+    """Every rank formed one job of `size` and computed the NumPy reference."""
+    found = marks(outdir)
+    assert sorted(found) == list(range(size)), found
+    expected = (np.arange(5, dtype=np.float64) * sum(r + 1 for r in range(size))).tolist()
+    for rank, mark in found.items():
+        assert (mark["rank"], mark["size"]) == (rank, size)
+        assert mark["sum"] == expected
+        assert mark["ranks"] == list(range(size))
+    return found
+
+
+def sbatch(slurm, jobdir, ntasks, command):
+    script = jobdir / "job.sh"
+    script.write_text(f"#!/bin/bash\n{command}\n")
+    r = slurm.cmd("sbatch", "--parsable", "-n", str(ntasks), f"--chdir={jobdir}",
+                  f"--output={jobdir}/job.out", "--job-name=horolite-test", str(script))
+    return r.stdout.strip().split(";")[0]
+
+
+def job_field(slurm, job_id, field):
+    out = slurm.cmd("scontrol", "show", "job", job_id, check=False).stdout
+    match = re.search(rf"\b{field}=(\S+)", out)
+    return match.group(1) if match else None
+
+
+def processes_with(token):
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,stat,args"], capture_output=True,
+                         text=True).stdout
+    return [line for line in out.splitlines()[1:]
+            if token in line and not line.split()[1].startswith("Z") and "ps -ww" not in line]
+
+
+def wait_gone(token, seconds):
+    deadline = time.monotonic() + seconds
+    while processes_with(token) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return processes_with(token)
+
+
+@pytest.mark.parametrize("ntasks", [1, 2, 3, 4])
+def test_sbatch_runs_horolite_run_on_the_allocation(slurm, jobdir, ntasks):
+    """No -np, no -H: the ranks are the allocation's tasks, started through srun (no ssh)."""
+    job = sbatch(slurm, jobdir, ntasks, f"{LAUNCHER} -v {PYTHON} {RANK_JOB} {jobdir}/out")
+    state = slurm.wait_job(job)
+    output = (jobdir / "job.out").read_text()
+    assert state == "COMPLETED", output
+    check_ranks(jobdir / "out", ntasks)
+    command = [line for line in output.splitlines() if "rankwrap.py" in line]
+    assert command and re.search(r"-launcher slurm|plm slurm", command[0]), output
+    assert f"-np {ntasks} " in command[0]
+
+
+def test_salloc_with_fewer_ranks_than_the_allocation(slurm, jobdir):
+    r = slurm.cmd("salloc", "-n", "4", *shlex.split(LAUNCHER), "-np", "3", sys.executable,
+                  RANK_JOB, str(jobdir / "out"), cwd=str(jobdir), timeout=120)
+    assert r.returncode == 0, r.stderr
+    check_ranks(jobdir / "out", 3)
+
+
+def test_more_ranks_than_the_allocation_is_an_error(slurm, jobdir):
+    r = slurm.cmd("salloc", "-n", "2", *shlex.split(LAUNCHER), "-np", "5", sys.executable,
+                  RANK_JOB, str(jobdir / "out"), cwd=str(jobdir), check=False, timeout=120)
+    assert r.returncode == 2
+    assert re.search(r"-np 5 is more than the 2 slots of the Slurm allocation \(job \d+", r.stderr), \
+        r.stderr
+    assert not marks(jobdir / "out")
+
+
+@pytest.mark.parametrize("ntasks", [1, 2, 3, 4])
+def test_srun_starts_the_ranks_with_pmi2(slurm, jobdir, ntasks):
+    r = slurm.cmd("srun", "-n", str(ntasks), "--mpi=pmi2", sys.executable, RANK_JOB,
+                  str(jobdir / "out"), cwd=str(jobdir), check=False, timeout=120)
+    assert r.returncode == 0, r.stderr
+    found = check_ranks(jobdir / "out", ntasks)
+    assert {m["slurm"]["SLURM_PROCID"] for m in found.values()} == {str(r) for r in range(ntasks)}
+
+
+def test_srun_without_pmi_fails_at_init_instead_of_training_alone(slurm, jobdir):
+    """srun --mpi=none: every task is an MPI singleton; init() says so on every task."""
+    r = slurm.cmd("srun", "-n", "2", "--mpi=none", sys.executable, RANK_JOB, str(jobdir / "out"),
+                  cwd=str(jobdir), check=False, timeout=120)
+    assert r.returncode != 0
+    errors = [line for line in r.stderr.splitlines()
+              if line.startswith("horolite.launch_check.LaunchMismatchError: ")]
+    assert len(errors) == 2, r.stderr
+    for task in (0, 1):
+        assert any(f"SLURM_STEP_NUM_TASKS=2; this is SLURM_PROCID={task})" in e for e in errors)
+    assert all("srun --mpi=pmi2" in e for e in errors)
+    assert not marks(jobdir / "out")  # no rank got as far as training
+
+
+def test_scancel_of_a_running_job_leaves_no_process(slurm, jobdir):
+    job = sbatch(slurm, jobdir, 2,
+                 f"{LAUNCHER} {PYTHON} {RANK_JOB} {jobdir}/out --sleep 300")
+    deadline = time.monotonic() + 60
+    while len(marks(jobdir / "out")) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(marks(jobdir / "out")) == 2, (jobdir / "job.out").read_text()
+    assert processes_with(str(jobdir))
+    slurm.cmd("scancel", job)
+    assert slurm.wait_job(job, 60) == "CANCELLED"
+    left = wait_gone(str(jobdir), 15)
+    assert not left, "processes left behind:\n" + "\n".join(left)
+
+
+def test_a_failing_rank_is_named_in_the_job_output(slurm, jobdir):
+    job = sbatch(slurm, jobdir, 3,
+                 f"{LAUNCHER} {PYTHON} {RANK_JOB} {jobdir}/out --fail-rank 1 --sleep 60")
+    state = slurm.wait_job(job)
+    output = (jobdir / "job.out").read_text()
+    assert state == "FAILED", output
+    assert job_field(slurm, job, "ExitCode") == "3:0"
+    assert re.search(rf"horolite-run: job failed: rank 1 \(host {slurm.host}, pid \d+\) exited "
+                     rf"with code 3", output), output
+    assert not wait_gone(str(jobdir), 15)
+
+
+def test_horolite_run_inside_an_srun_step(slurm, jobdir):
+    """srun -n 1 (or srun --pty bash) then horolite-run: the job's CPUs are the slots, and
+    mpirun's own srun overlaps the step instead of waiting for it forever."""
+    r = slurm.cmd("salloc", "-n", "3", "srun", "-n", "1", *shlex.split(LAUNCHER), sys.executable,
+                  RANK_JOB, str(jobdir / "out"), cwd=str(jobdir), check=False, timeout=120)
+    assert r.returncode == 0, r.stderr
+    check_ranks(jobdir / "out", 3)
