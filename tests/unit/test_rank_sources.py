@@ -143,7 +143,15 @@ def test_singleton_under_a_launcher_is_refused(environ, who):
     if "SLURM_STEP_NUM_TASKS" in environ:
         assert "srun --mpi=pmi2" in str(e.value) and "SLURM_PROCID=2" in str(e.value)
     else:
-        assert "(MPICH Version: 5.0.2)" in str(e.value)
+        assert "is not the MPI whose launcher started this process" in str(e.value)
+    assert "(MPICH Version: 5.0.2)" in str(e.value)
+
+
+def test_srun_pmi2_with_open_mpi_points_at_pmix():
+    environ = {"PMI_SIZE": "2", "PMI_RANK": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "0"}
+    message = launch_check.mismatch(1, environ, "Open MPI v5.0.11, package: Open MPI")
+    assert message.startswith("MPICH's mpiexec (hydra) or srun --mpi=pmi2 started 2 processes")
+    assert "srun --mpi=pmix" in message and "horolite-run python" in message
 
 
 @pytest.mark.parametrize("world, environ", [
