@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence
 
-from .rank_source import SLURM, SSH
+from .rank_source import SLURM
 
 __all__ = ["MPICH", "OPENMPI", "MpiInstall", "NoMPIError", "find_mpirun", "detect_implementation",
            "find_mpi", "build_mpirun_command"]
@@ -97,7 +97,7 @@ def find_mpi(environ=None) -> MpiInstall:
 def _used_hosts(config):
     """The hosts given; inside a Slurm allocation only those the ranks fill (srun starts
     daemons on every host named, so an unused node would still get one)."""
-    if getattr(config, "start", SSH) != SLURM:
+    if config.start != SLURM:
         return config.hosts
     used, left = [], config.num_proc
     for name, slots in config.hosts:

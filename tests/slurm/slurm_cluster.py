@@ -14,9 +14,6 @@ import socket
 import subprocess
 import time
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scancel", "sinfo")
-
-
 class SlurmUnavailable(Exception):
     """Why the cluster cannot run here (the tests skip with this reason)."""
 
@@ -32,6 +29,15 @@ def _free_ports(count):
     finally:
         for s in socks:
             s.close()
+
+
+def _own_session_and_parent_death():  # in each daemon, between fork and exec
+    os.setsid()
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG: dies with us
+    except Exception:
+        pass
 
 
 def _find(name):
@@ -136,7 +142,7 @@ class SlurmCluster:
         log = open(os.path.join(self.root, f"{name}.out"), "wb")
         self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=self.env,
-                                            start_new_session=True)
+                                            preexec_fn=_own_session_and_parent_death)
         log.close()
 
     def _wait(self, ready, seconds, what):
@@ -213,3 +219,24 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for pid in self.step_daemons():  # slurmd's job steps outlive it: ours go too
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def step_daemons(self):
+        """pids of the slurmstepd processes this cluster's slurmd started (by their SLURM_CONF)."""
+        mark = f"SLURM_CONF={self.env['SLURM_CONF']}".encode()
+        found = []
+        for name in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{name}/comm", "rb") as f:
+                    if not f.read().startswith(b"slurmstepd"):
+                        continue
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        found.append(int(name))
+            except (OSError, ValueError):
+                continue
+        return found
