@@ -272,7 +272,8 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     try:
         config = config_from_args(parsed)
         _check_command(config)
-        hostlib.check_resolvable(config.hosts)
+        if config.start == SSH:  # Slurm's node names are for srun; mpirun never resolves them
+            hostlib.check_resolvable(config.hosts)
         install = mpi.find_mpi()
     except (ValueError, mpi.NoMPIError) as e:
         return _error(str(e))

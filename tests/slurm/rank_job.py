@@ -2,7 +2,7 @@
 
 Writes ``<outdir>/<rank>.json`` with what the runtime saw (rank, size, the
 allreduce of ``arange(5) * (rank + 1)``, the allgather of ranks), the host, the
-pid and the Slurm variables; then fails or sleeps as asked.
+pid and the Slurm variables (SLURMD_NODENAME: the Slurm node); then fails or sleeps as asked.
 """
 import argparse
 import json
@@ -29,7 +29,7 @@ def main():
     mark = {"rank": rank, "size": hvd.size(), "local_size": hvd.local_size(),
             "sum": total.tolist(), "ranks": ranks.tolist(), "pid": os.getpid(),
             "host": socket.gethostname(),
-            "slurm": {k: v for k, v in os.environ.items() if k.startswith("SLURM_")}}
+            "slurm": {k: v for k, v in os.environ.items() if k.startswith("SLURM")}}
     tmp = os.path.join(args.outdir, f".{rank}.tmp")
     with open(tmp, "w") as f:
         json.dump(mark, f)

@@ -1,9 +1,11 @@
-"""A one-node Slurm cluster on this machine, started for the tests and stopped after them.
+"""A Slurm cluster on this machine, started for the tests and stopped after them.
 
-munged (its own key and socket), slurmctld and slurmd (in the foreground, as
-our child processes) run with a slurm.conf written to a fresh directory: the
-node is this host under its own name at 127.0.0.1, the ports are free ones
-picked at start. ``SLURM_CONF`` in ``cluster.env`` points the client commands
+munged (its own key and socket), slurmctld and one slurmd per node (in the
+foreground, as our child processes) run with a slurm.conf written to a fresh
+directory. The nodes (``hl-node[1-N]``) are all this host (NodeHostname) at
+127.0.0.1, each slurmd on its own port (``slurmd -N name``), so allocations
+span several Slurm nodes with compressed node lists, and srun starts tasks on
+each through its slurmd; the ports are free ones picked at start. ``SLURM_CONF`` in ``cluster.env`` points the client commands
 (sbatch, srun, squeue, scancel) at it. ``stop()`` cancels every job, stops the
 daemons by pid and waits for them; it is safe to call twice.
 """
@@ -55,11 +57,11 @@ AuthType=auth/munge
 AuthInfo=socket={munge_socket}
 CredType=cred/munge
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 SlurmdDebug=info
 SlurmctldDebug=info
 ProctrackType=proctrack/linuxproc
@@ -79,16 +81,19 @@ MinJobAge=30
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+{node_lines}
+PartitionName=debug Nodes={nodelist} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
+NODE_LINE = "NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} State=UNKNOWN"
 
 
 class SlurmCluster:
-    def __init__(self, root, cpus=4):
+    def __init__(self, root, nodes=2, cpus=2):
         self.root = str(root)
-        self.cpus = cpus
+        self.cpus = cpus  # per node
         self.host = socket.gethostname().split(".")[0]
+        self.nodes = [f"hl-node{i}" for i in range(1, nodes + 1)]
+        self.nodelist = f"hl-node[1-{nodes}]" if nodes > 1 else self.nodes[0]
         self.procs = {}
         self.env = dict(os.environ)
         self.env["SLURM_CONF"] = os.path.join(self.root, "slurm.conf")
@@ -107,7 +112,7 @@ class SlurmCluster:
             socket.gethostbyname(self.host)
         except OSError:
             raise SlurmUnavailable(f"this host's name {self.host!r} does not resolve") from None
-        for sub in ("state", "spool", "munge"):
+        for sub in ("state", "munge"):
             os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
         os.chmod(self.root, 0o755)
         self.munge_socket = os.path.join(self.root, "munge", "munge.socket")
@@ -115,13 +120,15 @@ class SlurmCluster:
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(key, 0o400)
-        ctld_port, slurmd_port = _free_ports(2)
+        ctld_port, slurmd_port, *node_ports = _free_ports(2 + len(self.nodes))
+        node_lines = "\n".join(NODE_LINE.format(name=name, host=self.host, port=port, cpus=self.cpus)
+                               for name, port in zip(self.nodes, node_ports))
         import pwd
         with open(self.env["SLURM_CONF"], "w") as f:
-            f.write(SLURM_CONF.format(host=self.host, user=pwd.getpwuid(os.geteuid()).pw_name,
+            f.write(SLURM_CONF.format(user=pwd.getpwuid(os.geteuid()).pw_name, host=self.host,
                                       ctld_port=ctld_port, slurmd_port=slurmd_port,
                                       munge_socket=self.munge_socket, root=self.root,
-                                      cpus=self.cpus))
+                                      node_lines=node_lines, nodelist=self.nodelist))
         try:
             self._spawn("munged", [_find("munged"), "-F", "--force", f"--socket={self.munge_socket}",
                                    f"--key-file={key}",
@@ -131,8 +138,10 @@ class SlurmCluster:
             self._wait(lambda: os.path.exists(self.munge_socket), 10, "munged to open its socket")
             self._spawn("slurmctld", [_find("slurmctld"), "-D", "-i", "-f", self.env["SLURM_CONF"]])
             self._wait(self._controller_up, 30, "slurmctld to answer")
-            self._spawn("slurmd", [_find("slurmd"), "-D", "-f", self.env["SLURM_CONF"]])
-            self._wait(self._node_idle, timeout, f"node {self.host} to be idle")
+            for name in self.nodes:
+                self._spawn(f"slurmd-{name}", [_find("slurmd"), "-D", "-N", name,
+                                               "-f", self.env["SLURM_CONF"]])
+            self._wait(self._nodes_idle, timeout, f"nodes {self.nodelist} to be idle")
         except Exception:
             self.stop()
             raise
@@ -156,7 +165,7 @@ class SlurmCluster:
                 return
             time.sleep(0.2)
         raise SlurmUnavailable(f"timed out after {seconds}s waiting for {what}: "
-                               f"{self.tail('slurmd')} {self.tail('slurmctld')}")
+                               f"{self.tail('slurmd-' + self.nodes[0])} {self.tail('slurmctld')}")
 
     def tail(self, name, lines=8):
         text = ""
@@ -169,12 +178,12 @@ class SlurmCluster:
     def _controller_up(self):
         return self.cmd("sinfo", "-h", "-o", "%P", check=False).returncode == 0
 
-    def node_state(self):
+    def node_states(self):
         r = self.cmd("sinfo", "-h", "-N", "-o", "%T", check=False)
-        return r.stdout.strip()
+        return r.stdout.split()
 
-    def _node_idle(self):
-        return self.node_state() == "idle"
+    def _nodes_idle(self):
+        return self.node_states() == ["idle"] * len(self.nodes)
 
     # ---- use ----
     def cmd(self, *argv, check=True, timeout=60, **kw):
@@ -209,7 +218,7 @@ class SlurmCluster:
             while time.monotonic() < deadline and self.cmd(
                     "squeue", "-h", check=False, timeout=20).stdout.strip():
                 time.sleep(0.3)
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [f"slurmd-{n}" for n in self.nodes] + ["slurmctld", "munged"]:
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue

@@ -1,4 +1,9 @@
-"""horolite under a real Slurm (slurmctld + slurmd + munged started by conftest.py).
+"""horolite under a real Slurm (slurmctld, two slurmd and munged started by conftest.py).
+
+Jobs of up to 2 tasks per node span both Slurm nodes (hl-node1, hl-node2: two
+slurmd on this machine), so allocations come as ``hl-node[1-2]`` with
+``SLURM_TASKS_PER_NODE=2(x2)`` or ``2,1``, and srun starts ranks through each
+node's slurmd.
 
 sbatch/salloc running horolite-run (ranks and hosts from the allocation), srun
 straight into the ranks (--mpi=pmi2), the singleton trap (srun without PMI),
@@ -42,12 +47,21 @@ def check_ranks(outdir, size):
     return found
 
 
-def sbatch(slurm, jobdir, ntasks, command):
+def sbatch(slurm, jobdir, ntasks, command, per_node=2):
     script = jobdir / "job.sh"
-    script.write_text(f"#!/bin/bash\n{command}\n")
-    r = slurm.cmd("sbatch", "--parsable", "-n", str(ntasks), f"--chdir={jobdir}",
-                  f"--output={jobdir}/job.out", "--job-name=horolite-test", str(script))
+    script.write_text("#!/bin/bash\necho SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST "
+                      f"SLURM_TASKS_PER_NODE=$SLURM_TASKS_PER_NODE\n{command}\n")
+    r = slurm.cmd("sbatch", "--parsable", "-n", str(ntasks), f"--ntasks-per-node={per_node}",
+                  f"--chdir={jobdir}", f"--output={jobdir}/job.out", "--job-name=horolite-test",
+                  str(script))
     return r.stdout.strip().split(";")[0]
+
+
+def check_nodes(found, per_node=2):
+    """Ranks fill the Slurm nodes in order, per_node on each (the launchers' by-slot order)."""
+    nodes = [found[r]["slurm"]["SLURMD_NODENAME"] for r in sorted(found)]
+    assert len(set(nodes)) == -(-len(nodes) // per_node), nodes
+    assert all(nodes[r] == nodes[r - r % per_node] for r in range(len(nodes))), nodes
 
 
 def job_field(slurm, job_id, field):
@@ -77,17 +91,20 @@ def test_sbatch_runs_horolite_run_on_the_allocation(slurm, jobdir, ntasks):
     state = slurm.wait_job(job)
     output = (jobdir / "job.out").read_text()
     assert state == "COMPLETED", output
-    check_ranks(jobdir / "out", ntasks)
+    check_nodes(check_ranks(jobdir / "out", ntasks))
     command = [line for line in output.splitlines() if "rankwrap.py" in line]
     assert command and re.search(r"-launcher slurm|plm slurm", command[0]), output
     assert f"-np {ntasks} " in command[0]
+    if ntasks > 2:  # a compressed node list and task counts (2(x2) for 3 tasks too: NTASKS caps)
+        assert "SLURM_JOB_NODELIST=hl-node[1-2] SLURM_TASKS_PER_NODE=2(x2)" in output, output
+        assert f" hl-node1:2,hl-node2:{ntasks - 2} " in command[0], command[0]
 
 
 def test_salloc_with_fewer_ranks_than_the_allocation(slurm, jobdir):
-    r = slurm.cmd("salloc", "-n", "4", *shlex.split(LAUNCHER), "-np", "3", sys.executable,
-                  RANK_JOB, str(jobdir / "out"), cwd=str(jobdir), timeout=120)
+    r = slurm.cmd("salloc", "-n", "4", "--ntasks-per-node=2", *shlex.split(LAUNCHER), "-np", "3",
+                  sys.executable, RANK_JOB, str(jobdir / "out"), cwd=str(jobdir), timeout=120)
     assert r.returncode == 0, r.stderr
-    check_ranks(jobdir / "out", 3)
+    check_nodes(check_ranks(jobdir / "out", 3))
 
 
 def test_more_ranks_than_the_allocation_is_an_error(slurm, jobdir):
@@ -101,10 +118,11 @@ def test_more_ranks_than_the_allocation_is_an_error(slurm, jobdir):
 
 @pytest.mark.parametrize("ntasks", [1, 2, 3, 4])
 def test_srun_starts_the_ranks_with_pmi2(slurm, jobdir, ntasks):
-    r = slurm.cmd("srun", "-n", str(ntasks), "--mpi=pmi2", sys.executable, RANK_JOB,
-                  str(jobdir / "out"), cwd=str(jobdir), check=False, timeout=120)
+    r = slurm.cmd("srun", "-n", str(ntasks), "--ntasks-per-node=2", "--mpi=pmi2", sys.executable,
+                  RANK_JOB, str(jobdir / "out"), cwd=str(jobdir), check=False, timeout=120)
     assert r.returncode == 0, r.stderr
     found = check_ranks(jobdir / "out", ntasks)
+    check_nodes(found)
     assert {m["slurm"]["SLURM_PROCID"] for m in found.values()} == {str(r) for r in range(ntasks)}
 
 
@@ -124,7 +142,7 @@ def test_srun_without_pmi_fails_at_init_instead_of_training_alone(slurm, jobdir)
 
 def test_scancel_of_a_running_job_leaves_no_process(slurm, jobdir):
     job = sbatch(slurm, jobdir, 2,
-                 f"{LAUNCHER} {PYTHON} {RANK_JOB} {jobdir}/out --sleep 300")
+                 f"{LAUNCHER} {PYTHON} {RANK_JOB} {jobdir}/out --sleep 300", per_node=1)
     deadline = time.monotonic() + 60
     while len(marks(jobdir / "out")) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -151,7 +169,8 @@ def test_a_failing_rank_is_named_in_the_job_output(slurm, jobdir):
 def test_horolite_run_inside_an_srun_step(slurm, jobdir):
     """srun -n 1 (or srun --pty bash) then horolite-run: the job's CPUs are the slots, and
     mpirun's own srun overlaps the step instead of waiting for it forever."""
-    r = slurm.cmd("salloc", "-n", "3", "srun", "-n", "1", *shlex.split(LAUNCHER), sys.executable,
-                  RANK_JOB, str(jobdir / "out"), cwd=str(jobdir), check=False, timeout=120)
+    r = slurm.cmd("salloc", "-n", "4", "--ntasks-per-node=2", "srun", "-n", "1",
+                  *shlex.split(LAUNCHER), sys.executable, RANK_JOB, str(jobdir / "out"),
+                  cwd=str(jobdir), check=False, timeout=120)
     assert r.returncode == 0, r.stderr
-    check_ranks(jobdir / "out", 3)
+    check_nodes(check_ranks(jobdir / "out", 4))  # SLURM_JOB_CPUS_PER_NODE=2(x2)
