@@ -112,6 +112,8 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
             cmd += ["-genvlist", ",".join(pass_env)]
         if config.network_interface:
             cmd += ["-iface", config.network_interface]
+        if config.ssh_args:
+            cmd += ["-bootstrap", "ssh", "-bootstrap-exec-args", config.ssh_args]
     elif impl == OPENMPI:
         cmd += ["-np", str(config.num_proc)]
         if as_root:
@@ -127,8 +129,11 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
         if config.network_interface:
             cmd += ["--mca", "btl_tcp_if_include", config.network_interface,
                     "--mca", "oob_tcp_if_include", config.network_interface]
+        if config.ssh_args:
+            cmd += ["--mca", "plm_ssh_args", config.ssh_args]
     else:
         raise ValueError(f"unknown MPI implementation {impl!r} (expected {MPICH!r} or {OPENMPI!r})")
+    cmd += list(config.binding_args)
     cmd += list(config.mpi_args)
     cmd += list(wrapper)
     cmd += list(config.command)
