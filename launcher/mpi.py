@@ -113,7 +113,8 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
         if config.network_interface:
             cmd += ["-iface", config.network_interface]
         if config.ssh_args:
-            cmd += ["-bootstrap", "ssh", "-bootstrap-exec-args", config.ssh_args]
+            # Hydra's ssh launcher takes extra ssh options only from its environment.
+            cmd = ["env", f"HYDRA_LAUNCHER_EXTRA_ARGS={config.ssh_args}"] + cmd + ["-launcher", "ssh"]
     elif impl == OPENMPI:
         cmd += ["-np", str(config.num_proc)]
         if as_root:

@@ -161,12 +161,13 @@ def test_ssh_port_and_identity(tmp_path):
     argv = ["-np", "2", "-H", "a:1,b:1", "-p", "2222", "-i", "~/key", "t"]
     key = os.path.expanduser("~/key")
     mpich = command(argv, mpi.MPICH)
-    i = mpich.index("-bootstrap-exec-args")
-    assert mpich[i - 2:i + 2] == ["-bootstrap", "ssh", "-bootstrap-exec-args", f"-p 2222 -i {key}"]
+    assert mpich[:3] == ["env", f"HYDRA_LAUNCHER_EXTRA_ARGS=-p 2222 -i {key}", "mpirun"]
+    i = mpich.index("-launcher")
+    assert mpich[i + 1] == "ssh" and i < mpich.index("rankwrap.py")
     ompi = command(argv, mpi.OPENMPI)
     i = ompi.index("plm_ssh_args")
     assert ompi[i - 1:i + 2] == ["--mca", "plm_ssh_args", f"-p 2222 -i {key}"]
-    assert "-bootstrap" not in command(["-np", "2", "t"], mpi.MPICH)
+    assert command(["-np", "2", "t"], mpi.MPICH)[0] == "mpirun"
 
 
 def test_binding_tcp_timestamp_and_interfaces():
