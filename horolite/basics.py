@@ -8,6 +8,7 @@ import threading
 from . import config as config_mod
 from . import log, settings
 from .errors import NotInitializedError
+from .mpi_library import load_mpi
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "runtime",
@@ -30,7 +31,7 @@ def init(comm=None) -> None:
             return
         cfg = config_mod.from_environ()
         _set_thread_level(cfg)
-        from mpi4py import MPI
+        MPI = load_mpi()
         from .runtime import Runtime
 
         comm = _communicator(MPI, comm)
@@ -48,7 +49,10 @@ def _set_thread_level(cfg) -> None:
     """HOROLITE_MPI_THREADS_DISABLE: ask MPI for SERIALIZED, enough for the one background
     thread that calls MPI. Only MPI's first initialization can choose."""
     import sys
-    import mpi4py
+    try:
+        import mpi4py
+    except ImportError:
+        return  # load_mpi says what to install
     level = "serialized" if cfg.mpi_threads_disable else "multiple"
     if "mpi4py.MPI" not in sys.modules:
         mpi4py.rc.thread_level = level

