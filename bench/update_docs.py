@@ -12,7 +12,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 DOC = os.path.join(ROOT, "docs", "benchmarks.md")
-START, END = "## Targets (issue 5), as measured", "## Where the time goes"
+START, END = "## Targets, as measured", "## Where the time goes"
 RUNS = [("Allreduce bandwidth", "allreduce_bandwidth"), ("Small tensors", "small_tensors"),
         ("Training throughput", "training_throughput"),
         ("Steady-state memory", "steady_state_memory"), ("Autotune recovery", "autotune_recovery")]
@@ -61,10 +61,12 @@ def main():
         autotune_notes = f.read()
     body = "\n".join([
         START, "",
-        "2 ranks on this 2-core machine, medians of the same run. Every target is listed, met or "
-        "not; each run names its commit below.", "",
+        "2 ranks on this 2-core VM, medians of one run of each script (the runs named in \"Latest\n"
+        "results\").", "",
         target_rows(), "",
         "## Latest results", "",
+        "Each table is the latest run of its script (date and commit in its heading line); the PNG\n"
+        "next to it is written by the same run.", "",
         *[section(title, name) for title, name in RUNS],
         autotune_notes,
     ])

@@ -21,7 +21,8 @@ from .errors import (DuplicateNameError, HorovodInternalError, InvalidCollective
 from .handle import Handle
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
-__version__ = "0.1.0"
+from .mpi_library import MPILibraryNotFound
+from .version import __version__
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -34,5 +35,5 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "join_async", "poll", "synchronize", "Handle",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
-    "ShutdownError", "StallError", "NotInitializedError", "__version__",
+    "ShutdownError", "StallError", "NotInitializedError", "MPILibraryNotFound", "__version__",
 ]

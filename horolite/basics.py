@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 
 from . import config as config_mod
-from . import launch_check, log
+from . import launch_check, log, settings
 from .errors import NotInitializedError
+from .mpi_library import load_mpi
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "runtime",
            "start_timeline", "stop_timeline"]
 
+_log = logging.getLogger("horolite.basics")
 _lock = threading.Lock()
 _runtime = None
 _atexit_registered = False
@@ -27,17 +30,37 @@ def init(comm=None) -> None:
     with _lock:
         if _runtime is not None:
             return
-        from mpi4py import MPI
+        cfg = config_mod.from_environ()
+        _set_thread_level(cfg)
+        MPI = load_mpi()
         from .runtime import Runtime
 
         launch_check.check(MPI.COMM_WORLD.Get_size(), os.environ, MPI.Get_library_version)
         comm = _communicator(MPI, comm)
-        cfg = config_mod.from_environ()
-        log.configure(cfg.log_level, comm.Get_rank(), comm.Get_size())
+        log.configure(cfg.log_level, comm.Get_rank(), comm.Get_size(), cfg.log_hide_time)
+        if comm.Get_rank() == 0:
+            for variable, advice in settings.unhonoured():
+                _log.warning("%s is set but %s", variable, advice)
         _runtime = Runtime(comm, cfg)
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+
+
+def _set_thread_level(cfg) -> None:
+    """HOROLITE_MPI_THREADS_DISABLE: ask MPI for SERIALIZED, enough for the one background
+    thread that calls MPI. Only MPI's first initialization can choose."""
+    import sys
+    try:
+        import mpi4py
+    except ImportError:
+        return  # load_mpi says what to install
+    level = "serialized" if cfg.mpi_threads_disable else "multiple"
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.thread_level = level
+    elif cfg.mpi_threads_disable and mpi4py.rc.thread_level != level:
+        _log.warning("HOROLITE_MPI_THREADS_DISABLE=1 has no effect: MPI was imported before "
+                     "horolite.init() (set it before the first `from mpi4py import MPI`)")
 
 
 def _communicator(MPI, comm):

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["configure"]
+__all__ = ["TRACE", "configure"]
 
-_LEVELS = {"TRACE": 5, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
+# Horovod's most verbose level, below DEBUG; registered so its lines say TRACE.
+TRACE = 5
+logging.addLevelName(TRACE, "TRACE")
+
+_LEVELS = {"TRACE": TRACE, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
            "WARN": logging.WARNING, "ERROR": logging.ERROR, "FATAL": logging.CRITICAL,
            "CRITICAL": logging.CRITICAL}
 
@@ -24,8 +28,11 @@ class _RankFilter(logging.Filter):
 _handler = None
 
 
-def configure(level: str, rank: int, size: int) -> None:
-    """Attach one stderr handler to the 'horolite' logger (idempotent)."""
+def configure(level: str, rank: int, size: int, hide_time: bool = False) -> None:
+    """Attach one stderr handler to the 'horolite' logger (idempotent).
+
+    hide_time drops the timestamp (HOROLITE_LOG_HIDE_TIME, horovodrun's
+    --log-without-timestamp)."""
     global _handler
     logger = logging.getLogger("horolite")
     logger.setLevel(_LEVELS.get(level.upper(), logging.WARNING))
@@ -33,7 +40,8 @@ def configure(level: str, rank: int, size: int) -> None:
         logger.removeHandler(_handler)
     _handler = logging.StreamHandler()
     _handler.addFilter(_RankFilter(rank, size))
+    stamp = "" if hide_time else "%(asctime)s "
     _handler.setFormatter(logging.Formatter(
-        "[%(asctime)s horolite rank %(rank)d/%(size)d] %(levelname)s %(name)s: %(message)s"))
+        f"[{stamp}horolite rank %(rank)d/%(size)d] %(levelname)s %(name)s: %(message)s"))
     logger.addHandler(_handler)
     logger.propagate = False

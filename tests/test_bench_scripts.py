@@ -100,3 +100,17 @@ def test_autotune_recovery(tmp_path):
     assert len(doc["rounds"]) == 1 and set(doc["rounds"][0]) == {"1", "5", "50", "tuned"}
     best = max(doc["rounds"][0][c] for c in ("1", "5", "50"))
     assert doc["tuned_vs_best"] == pytest.approx(doc["rounds"][0]["tuned"] / best)
+
+
+def test_timeline_cost(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "timeline_cost.py"),
+                           "--events", "300", "--repeat", "1", "--per-cycle", "1", "16",
+                           "--dir", str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1") or
+            line.startswith("| 16")]
+    assert len(rows) == 2 and all(line.endswith("x |") for line in rows), proc.stdout
+    assert not list(tmp_path.iterdir())  # its file is removed

@@ -158,4 +158,4 @@ def test_unknown_host_and_missing_command_fail_fast(run):
 
 def test_no_mpi_is_a_clear_error(run):
     r = run("-np", "2", "true", env={"HOROLITE_MPIRUN": "/nonexistent/mpirun"})
-    assert r.returncode == 2 and "no MPI found: pip install mpich" in r.stderr
+    assert r.returncode == 2 and 'pip install "horolite[mpich]"' in r.stderr

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import horolite as hvd
+from horolite.timeline import read_events
 
 OUTDIR = os.environ.get("HOROLITE_TEST_OUTDIR") or tempfile.mkdtemp()
 TIMELINE = os.path.join(OUTDIR, "timeline.json")
@@ -46,8 +47,15 @@ def test_timeline_is_json_with_every_phase():
         h.result()
     hvd.allgather(np.ones((1, 2)), name="tl.gather")
     path = TIMELINE if RANK == 0 else TIMELINE.replace(".json", f".rank{RANK}.json")
-    events = json.load(open(path))  # valid while the runtime is still writing
-    rows = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
+    # Readable while the runtime is still writing (an open array); events reach the
+    # file at the end of the cycle that recorded them, so wait for that cycle.
+    deadline = time.monotonic() + 10
+    while True:
+        events = read_events(path)
+        rows = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
+        if {"tl.0", "tl.3", "tl.gather"} <= set(rows) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     assert {"tl.0", "tl.3", "tl.gather"} <= set(rows)
     phases = {e["name"] for e in events if e.get("ph") == "X" and e["tid"] == rows["tl.1"]}
     # (no MEMCPY_OUT_FUSION_BUFFER on the host: a fused tensor's result is a view of the batch)
@@ -65,7 +73,7 @@ def test_timeline_starts_and_stops_at_run_time():
                                np.full(8, SIZE * (SIZE + 1) / 2))
     hvd.stop_timeline()
     hvd.allreduce(np.ones(8), name="window.after")
-    events = json.load(open(mine))
+    events = json.load(open(mine))  # closed: plain JSON
     names = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert "window.in" in names and "window.after" not in names
     assert any(e.get("name") == "CYCLE_START" for e in events)

@@ -1,7 +1,9 @@
 """Configuration: HOROLITE_ beats HOROVOD_, explicit beats both, clear errors."""
+import dataclasses
+
 import pytest
 
-from horolite import config
+from horolite import config, settings
 
 
 def test_defaults():
@@ -37,5 +39,41 @@ def test_bad_values_are_named():
         config.from_environ({"HOROLITE_AUTOTUNE": "maybe"})
 
 
-def test_every_variable_has_a_field():
-    assert set(config.VARIABLES) == set(config._FIELDS)
+def test_bad_horovod_spelling_is_named_as_set():
+    with pytest.raises(ValueError, match="HOROVOD_CYCLE_TIME='x' is not a float"):
+        config.from_environ({"HOROVOD_CYCLE_TIME": "x"})
+
+
+def test_choices():
+    c = config.from_environ({"HOROLITE_LOG_LEVEL": "debug", "HOROVOD_WAIT_MODE": "BLOCK"})
+    assert (c.log_level, c.wait_mode) == ("DEBUG", "block")
+    assert config.from_environ({"HOROLITE_LOG_LEVEL": "warn"}).log_level == "WARNING"
+    with pytest.raises(ValueError, match="HOROLITE_LOG_LEVEL='LOUD' must be one of TRACE, DEBUG"):
+        config.from_environ({"HOROLITE_LOG_LEVEL": "LOUD"})
+
+
+def test_hierarchical_settings_are_unset_or_forced():
+    assert config.from_environ({}).hierarchical_allreduce is None
+    c = config.from_environ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+                             "HOROLITE_HIERARCHICAL_ALLGATHER": "0"})
+    assert c.hierarchical_allreduce is True and c.hierarchical_allgather is False
+
+
+def test_config_is_the_declaration():
+    fields = {f.name: f.default for f in dataclasses.fields(config.Config)}
+    declared = {s.field: s.default for s in settings.SETTINGS if s.scope == "rank"}
+    assert fields == dict(declared, explicit=frozenset())
+    assert set(config.VARIABLES) == {s.name for s in settings.SETTINGS if s.scope == "rank"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.from_environ({}).cycle_time_ms = 3
+
+
+def test_unhonoured_variables_are_named_with_what_to_do():
+    found = dict(settings.unhonoured({
+        "HOROVOD_CYCLE_TIME": "1", "HOROLITE_GPU_DEVICE": "0", "HOROLITE_MPIRUN": "x",
+        "HOROVOD_TORUS_ALLREDUCE": "1", "HOROLITE_CYCLETIME": "3", "HOROVOD_ELASTIC": "1",
+        "HOROLITE_TEST_OUTDIR": "/tmp", "HOROLITE_UNDER_MPIRUN": "1", "PATH": "/bin"}))
+    assert set(found) == {"HOROVOD_TORUS_ALLREDUCE", "HOROLITE_CYCLETIME", "HOROVOD_ELASTIC"}
+    assert "HIERARCHICAL_ALLREDUCE" in found["HOROVOD_TORUS_ALLREDUCE"]
+    assert "not a horolite setting" in found["HOROLITE_CYCLETIME"]
+    assert "no elastic training" in found["HOROVOD_ELASTIC"]

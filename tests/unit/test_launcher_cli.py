@@ -1,5 +1,6 @@
 """horolite-run's command line: flags -> LaunchConfig -> the mpirun argv for each MPI."""
 import os
+import re
 import sys
 
 import pytest
@@ -73,16 +74,153 @@ def test_tunables_become_horolite_variables():
     }
 
 
-def test_tunable_names_are_the_runtimes():
-    from horolite import config as runtime_config
-    c = config(["-np", "2", "--fusion-threshold-mb", "1", "--cycle-time-ms", "1",
-                "--cache-capacity", "1", "--timeline-filename", "t", "--timeline-mark-cycles",
-                "--no-stall-check", "--stall-check-warning-time-seconds", "1",
-                "--stall-check-shutdown-time-seconds", "1", "--log-level", "INFO", "--autotune",
-                "--autotune-log-file", "a", "--autotune-start", "cycle_time_ms=50",
-                "--wait-mode", "block", "--no-shared-memory", "true"])
-    names = {name[len("HOROLITE_"):] for name, _ in c.env}
-    assert names == set(runtime_config.VARIABLES)
+def test_every_declared_setting_flag_sets_its_variable():
+    from horolite import settings
+    for s in settings.SETTINGS:
+        if s.scope != "rank":
+            continue
+        if s.flag and s.kind in (bool, "tristate"):
+            assert dict(config(["-np", "1", s.flag, "t"]).env) == {s.variable: "1"}, s.flag
+        elif s.flag:
+            value = s.kind[-1] if isinstance(s.kind, tuple) else "3"
+            env = dict(config(["-np", "1", s.flag, value, "t"]).env)
+            assert set(env) == {s.variable}, s.flag
+            assert s.parse(env[s.variable]) is not None
+        if s.flag_false:
+            assert dict(config(["-np", "1", s.flag_false, "t"]).env) == {s.variable: "0"}
+
+
+def test_hierarchical_flags():
+    assert dict(config(["-np", "2", "--hierarchical-allreduce", "--no-hierarchical-allgather",
+                        "t"]).env) == {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1",
+                                       "HOROLITE_HIERARCHICAL_ALLGATHER": "0"}
+    with pytest.raises(SystemExit):
+        lmain.get_args_parser().parse_args(["--hierarchical-allreduce",
+                                            "--no-hierarchical-allreduce", "t"])
+
+
+def test_unhonoured_horovod_flags_pass_their_variable_on():
+    c = config(["-np", "2", "--torus-allreduce", "--num-nccl-streams", "2",
+                "--autotune-warmup-samples", "3", "--autotune-gaussian-process-noise", "0.5", "t"])
+    assert dict(c.env) == {"HOROVOD_TORUS_ALLREDUCE": "1", "HOROVOD_NUM_NCCL_STREAMS": "2",
+                           "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "3",
+                           "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5"}
+
+
+# Every option string of horovodrun 0.28.1 (horovod/runner/launch.py, parse_args).
+HOROVODRUN_FLAGS = """-v --version -np --num-proc -cb --check-build --disable-cache --start-timeout
+--network-interfaces --network-interface --output-filename --verbose --config-file -p --ssh-port -i
+--ssh-identity-file --fusion-threshold-mb --cycle-time-ms --cache-capacity --hierarchical-allreduce
+--no-hierarchical-allreduce --hierarchical-allgather --no-hierarchical-allgather --torus-allreduce
+--no-torus-allreduce --autotune --no-autotune --autotune-log-file --autotune-warmup-samples
+--autotune-steps-per-sample --autotune-bayes-opt-max-samples --autotune-gaussian-process-noise
+--min-np --min-num-proc --max-np --max-num-proc --slots-per-host --elastic-timeout --reset-limit
+--blacklist-cooldown-range --timeline-filename --timeline-mark-cycles --no-timeline-mark-cycles
+--no-stall-check --stall-check --stall-check-warning-time-seconds
+--stall-check-shutdown-time-seconds --mpi-threads-disable --no-mpi-threads-disable --mpi-args --tcp
+--binding-args --num-nccl-streams --thread-affinity --gloo-timeout-seconds --log-level
+--log-with-timestamp --log-without-timestamp -prefix-timestamp --prefix-output-with-timestamp
+--log-hide-timestamp --no-log-hide-timestamp -H --hosts -hostfile --hostfile
+--host-discovery-script --gloo --mpi --jsrun""".split()
+REFUSED = {"--min-np", "--min-num-proc", "--max-np", "--max-num-proc", "--slots-per-host",
+           "--elastic-timeout", "--reset-limit", "--blacklist-cooldown-range",
+           "--host-discovery-script", "--gloo", "--jsrun", "--gloo-timeout-seconds"}
+
+
+def test_every_horovodrun_flag_exists():
+    known = set(lmain.get_args_parser()._option_string_actions)
+    assert not set(HOROVODRUN_FLAGS) - known
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED))
+def test_flags_that_cannot_work_over_mpi_fail_at_once(flag, capsys):
+    action = lmain.get_args_parser()._option_string_actions[flag]
+    argv = ["-np", "2", flag] + ["1"] * (action.nargs or 0) + ["true"]
+    with pytest.raises(SystemExit) as e:
+        lmain.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag} is not supported: horolite has no" in err or "jsrun" in err
+
+
+def test_no_abbreviations(capsys):
+    # --mpi is horovodrun's controller flag, not an abbreviation of --mpi-args.
+    c = config(["-np", "2", "--mpi", "python", "t.py"])
+    assert c.command == ("python", "t.py") and c.mpi_args == ()
+    with pytest.raises(SystemExit):
+        lmain.get_args_parser().parse_args(["-np", "2", "--fusion", "3", "t"])
+
+
+def test_v_is_version_and_verbose_is_long_only(capsys):
+    with pytest.raises(SystemExit) as e:
+        lmain.main(["-v"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("horolite-run ")
+    assert config(["-np", "1", "--verbose", "t"]).verbose
+
+
+def test_ssh_port_and_identity(tmp_path):
+    argv = ["-np", "2", "-H", "a:1,b:1", "-p", "2222", "-i", "~/key", "t"]
+    key = os.path.expanduser("~/key")
+    mpich = command(argv, mpi.MPICH)
+    assert mpich[:3] == ["env", f"HYDRA_LAUNCHER_EXTRA_ARGS=-p 2222 -i {key}", "mpirun"]
+    i = mpich.index("-launcher")
+    assert mpich[i + 1] == "ssh" and i < mpich.index("rankwrap.py")
+    ompi = command(argv, mpi.OPENMPI)
+    i = ompi.index("plm_ssh_args")
+    assert ompi[i - 1:i + 2] == ["--mca", "plm_ssh_args", f"-p 2222 -i {key}"]
+    assert command(["-np", "2", "t"], mpi.MPICH)[0] == "mpirun"
+
+
+def test_binding_tcp_timestamp_and_interfaces():
+    argv = ["-np", "2", "--binding-args=--bind-to core", "--tcp", "-prefix-timestamp",
+            "--network-interface", "eth0", "--network-interface", "eth1", "--disable-cache", "t"]
+    c = config(argv)
+    assert dict(c.env) == {"NCCL_IB_DISABLE": "1"} and c.network_interface == "eth0,eth1"
+    cmd = command(argv, mpi.OPENMPI)
+    assert cmd[cmd.index("--bind-to"):cmd.index("--bind-to") + 2] == ["--bind-to", "core"]
+    assert "--timestamp" in lmain.wrapper_argv(c)
+
+
+def test_config_file_uses_horovodrun_keys_and_the_command_line_wins(tmp_path):
+    f = tmp_path / "horovod.yaml"
+    f.write_text("""
+controller: mpi
+params: {fusion_threshold_mb: 32, cycle_time_ms: 5, cache_capacity: 0,
+         hierarchical_allreduce: true, torus_allreduce: false}
+autotune: {enabled: true, log_file: at.csv, warmup_samples: 4}
+timeline: {filename: tl.json, mark_cycles: true}
+stall_check: {enabled: false, warning_time_seconds: 7, shutdown_time_seconds: 9}
+library_options: {mpi_threads_disable: true, num_nccl_streams: 2, thread_affinity: 1}
+logging: {level: debug, with_timestamp: false}
+""")
+    args = lmain.parse_args(["-np", "2", "--config-file", str(f), "--cycle-time-ms", "2", "t"])
+    env = dict(lmain.config_from_args(args, {}).env)
+    assert env == {
+        "HOROLITE_FUSION_THRESHOLD": str(32 << 20), "HOROLITE_CYCLE_TIME": "2",
+        "HOROLITE_CACHE_CAPACITY": "0", "HOROLITE_HIERARCHICAL_ALLREDUCE": "1",
+        "HOROVOD_TORUS_ALLREDUCE": "0", "HOROLITE_AUTOTUNE": "1",
+        "HOROLITE_AUTOTUNE_LOG": os.path.abspath("at.csv"), "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "4",
+        "HOROLITE_TIMELINE": os.path.abspath("tl.json"), "HOROLITE_TIMELINE_MARK_CYCLES": "1",
+        "HOROLITE_STALL_CHECK_DISABLE": "1", "HOROLITE_STALL_CHECK_TIME_SECONDS": "7",
+        "HOROLITE_STALL_SHUTDOWN_TIME_SECONDS": "9", "HOROLITE_MPI_THREADS_DISABLE": "1",
+        "HOROVOD_NUM_NCCL_STREAMS": "2", "HOROVOD_THREAD_AFFINITY": "1",
+        "HOROLITE_LOG_LEVEL": "DEBUG", "HOROLITE_LOG_HIDE_TIME": "1"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("controller: gloo\n", "controller 'gloo' is not supported"),
+    ("params: {fusion_thresh: 3}\n", "unknown key params.fusion_thresh"),
+    ("library_options: {gloo_timeout_seconds: 3}\n", "no Gloo controller"),
+    ("params: {cycle_time_ms: -1}\n", "params.cycle_time_ms=-1"),
+    ("logging: {level: LOUD}\n", "logging.level='LOUD'"),
+    ("- a list\n", "expected a mapping"),
+])
+def test_bad_config_files(tmp_path, capsys, text, message):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(SystemExit):
+        lmain.parse_args(["-np", "1", "--config-file", str(f), "t"])
+    assert message in capsys.readouterr().err
 
 
 def test_fractional_fusion_threshold_and_relative_timeline():
@@ -234,7 +372,7 @@ def test_find_mpirun_prefers_interpreter_bin(tmp_path):
 
 def test_no_mpi_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HOROLITE_MPIRUN", "/nonexistent/mpirun")
-    with pytest.raises(mpi.NoMPIError, match="no MPI found: pip install mpich"):
+    with pytest.raises(mpi.NoMPIError, match=re.escape('no MPI found (no mpirun): pip install "horolite[mpich]"')):
         mpi.find_mpi()
 
 
@@ -287,6 +425,17 @@ def test_output_prefixing():
     stream.close()
     os.close(w)
     assert os.read(r, 1000) == b"[1]<stdout>:a\n[1]<stdout>:bc\n[1]<stdout>:\n[1]<stdout>:d\n"
+    os.close(r)
+
+
+def test_output_prefixing_with_timestamp():
+    r, w = os.pipe()
+    stream = rankwrap._Stream(w, b"[1]<stdout>:", timestamp=True)
+    stream.feed(b"a\n")
+    stream.close()
+    os.close(w)
+    import re
+    assert re.fullmatch(rb"\w{3} \w{3} \d\d \d\d:\d\d:\d\d \d{4}\[1\]<stdout>:a\n", os.read(r, 1000))
     os.close(r)
 
 

