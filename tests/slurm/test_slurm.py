@@ -87,7 +87,7 @@ def wait_gone(token, seconds):
 @pytest.mark.parametrize("ntasks", [1, 2, 3, 4])
 def test_sbatch_runs_horolite_run_on_the_allocation(slurm, jobdir, ntasks):
     """No -np, no -H: the ranks are the allocation's tasks, started through srun (no ssh)."""
-    job = sbatch(slurm, jobdir, ntasks, f"{LAUNCHER} -v {PYTHON} {RANK_JOB} {jobdir}/out")
+    job = sbatch(slurm, jobdir, ntasks, f"{LAUNCHER} --verbose {PYTHON} {RANK_JOB} {jobdir}/out")
     state = slurm.wait_job(job)
     output = (jobdir / "job.out").read_text()
     assert state == "COMPLETED", output
