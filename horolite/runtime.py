@@ -191,6 +191,8 @@ class Runtime:
         for entry in self.queue.take_new():
             entry.taken = now
             req = entry.request
+            if req.quorum and self.executor.quorum.answer(entry):
+                continue  # decided without this rank: answered with that result
             if req.kind == Kind.JOIN:
                 self._joined = True
                 self._unsent.append(entry)
