@@ -16,6 +16,7 @@ late ranks would change a Min, Max or Product.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Dict, Iterable, Optional, Sequence
 
@@ -29,6 +30,11 @@ from .ops import ReduceOp, dtype_from_name
 __all__ = ["check_quorum", "needed", "decide", "QuorumExecutor"]
 
 _log = logging.getLogger("horolite")
+
+# A rank that took part in a quorum allreduce this recently keeps its background
+# thread cycling even with nothing of its own in flight: the next decision may be
+# made without it, but never without its cycle.
+ACTIVE_SECONDS = 10.0
 
 
 def check_quorum(quorum, op: ReduceOp, name: str, size: int) -> int:
@@ -75,9 +81,15 @@ class QuorumExecutor:
         self.rank = transport.rank
         # name -> deque of (response, result, error), oldest decision first
         self._late: Dict[str, deque] = {}
+        self._last_run = float("-inf")
+
+    def active(self, now: float) -> bool:
+        """Whether quorum allreduces ran lately (then this rank must not idle: see ACTIVE_SECONDS)."""
+        return now - self._last_run < ACTIVE_SECONDS
 
     def run(self, resp: Response, entry, error: Optional[BaseException]) -> None:
         """Take part in one quorum allreduce (every rank calls this for it)."""
+        self._last_run = time.monotonic()
         if self.rank not in resp.present:
             entry = None  # a submission that may be queued here belongs to this decision's result
         value = None

@@ -100,3 +100,9 @@ def test_autotune_recovery(tmp_path):
     assert len(doc["rounds"]) == 1 and set(doc["rounds"][0]) == {"1", "5", "50", "tuned"}
     best = max(doc["rounds"][0][c] for c in ("1", "5", "50"))
     assert doc["tuned_vs_best"] == pytest.approx(doc["rounds"][0]["tuned"] / best)
+
+
+def test_quorum_stragglers(tmp_path):
+    doc = run_bench("quorum_stragglers", tmp_path)
+    assert set(doc["median_seconds_per_step"]) == {"all", "quorum", "no straggler"}
+    assert min(doc["median_seconds_per_step"].values()) > 0 and doc["all_vs_quorum"] > 0
