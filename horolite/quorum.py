@@ -34,7 +34,7 @@ _log = logging.getLogger("horolite")
 # A rank that took part in a quorum allreduce this recently keeps its background
 # thread cycling even with nothing of its own in flight: the next decision may be
 # made without it, but never without its cycle.
-ACTIVE_SECONDS = 10.0
+ACTIVE_SECONDS = 2.0
 
 
 def check_quorum(quorum, op: ReduceOp, name: str, size: int) -> int:
