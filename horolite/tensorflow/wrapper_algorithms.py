@@ -196,7 +196,9 @@ class SyncReplicas:
         k = self.replicas_to_aggregate
 
         def submit(*arrays):
-            return _core.grouped_allreduce_async(list(arrays), ReduceOp.AVERAGE, name, quorum=k)
+            # A GPU job hands over device arrays: the quorum allreduce runs on the host.
+            host = [a.get() if hasattr(a, "__cuda_array_interface__") else a for a in arrays]
+            return _core.grouped_allreduce_async(host, ReduceOp.AVERAGE, name, quorum=k)
         # The group is packed into one buffer at submit, so the op need not copy first.
         out = run_alone(submit, grads, [g.dtype for g in grads], [g.shape for g in grads],
                         copy=False)
