@@ -23,6 +23,7 @@ from .execution import OutputPool
 from .handle import Handle
 from .messages import JOIN_NAME, Kind, Request
 from .ops import MOVABLE_DTYPES, REDUCIBLE_DTYPES, Average, ReduceOp, dtype_name
+from .quorum import check_quorum
 from .tensor_queue import Entry
 
 __all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
@@ -105,8 +106,8 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
 
 
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> Handle:
-    if name and array.__class__ is np.ndarray and op.__class__ is ReduceOp and \
+                    postscale_factor: float = 1.0, quorum: Optional[int] = None) -> Handle:
+    if quorum is None and name and array.__class__ is np.ndarray and op.__class__ is ReduceOp and \
             prescale_factor == 1.0 == postscale_factor and array.flags.c_contiguous:
         # The common case (a step's many named gradients), without the general checks'
         # cost: this runs once per tensor per step on the caller's thread.
@@ -118,20 +119,29 @@ def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_fact
     name = name or _auto_name("allreduce")
     op = _reduce_op(op, name)
     pre, post = float(prescale_factor), float(postscale_factor)
+    k = check_quorum(quorum, op, name, runtime().size)
     arr = _as_array(array, name, Kind.ALLREDUCE)
+    if k and not isinstance(arr, np.ndarray):
+        raise InvalidCollectiveError(f"tensor '{name}': a quorum allreduce takes host (NumPy) arrays")
     _check_scales(arr, name, pre, post)
     return _submit(Kind.ALLREDUCE, arr, name, op=int(op), prescale=float(prescale_factor),
-                   postscale=float(postscale_factor))
+                   postscale=float(postscale_factor), quorum=k)
 
 
 def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0) -> np.ndarray:
-    """Reduce `array` over all ranks (Average by default); returns a new array."""
-    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor))
+              postscale_factor: float = 1.0, quorum: Optional[int] = None) -> np.ndarray:
+    """Reduce `array` over all ranks (Average by default); returns a new array.
+
+    quorum=k (beyond Horovod): done once k ranks have submitted; the first k to
+    do so are reduced (Average divides by k), the others add zeros and get the
+    same result for their own, later, submission. `handle.contributors` names the k.
+    """
+    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum))
 
 
 def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            quorum: Optional[int] = None) -> Handle:
     """One handle, and one request, for several allreduces.
 
     Host arrays of one dtype are packed here into one buffer and travel as a
@@ -139,18 +149,22 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
     into the reduced buffer, each starting on a 64-byte boundary (TensorFlow
     takes aligned NumPy results without a copy). Mixed dtypes or device arrays
     go as separate tensors submitted together, so they still fuse.
+    With quorum=k (see allreduce) the group is one decision: the arrays must be
+    host arrays of one dtype.
     """
-    return _grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor)
+    return _grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor,
+                                    quorum=quorum)
 
 
 def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             borrowed: bool = False) -> Handle:
+                             borrowed: bool = False, quorum: Optional[int] = None) -> Handle:
     """borrowed: the arrays are another framework's memory, which may change once this
     returns; packing copies them anyway, and only the members that go separately are
     copied here (the TensorFlow bridge then need not copy every gradient first)."""
     base = name or _auto_name("grouped_allreduce")
     op = _reduce_op(op, base)
+    k = check_quorum(quorum, op, base, runtime().size)
     arrays = list(arrays)
     pre, post = float(prescale_factor), float(postscale_factor)
     if not (math.isfinite(pre) and math.isfinite(post)):
@@ -166,7 +180,12 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
         flat, shapes = packed
         return _submit(Kind.ALLREDUCE, flat, base, transform=lambda out: _split(out, shapes),
                        op=int(op), prescale=float(prescale_factor),
-                       postscale=float(postscale_factor), group=shapes)
+                       postscale=float(postscale_factor), group=shapes, quorum=k)
+    if k:
+        raise InvalidCollectiveError(
+            f"tensor '{base}': a quorum grouped allreduce takes host arrays of one dtype, got "
+            f"{sorted({dtype_name(a.dtype) for a in arrays if hasattr(a, 'dtype')})} "
+            f"({'device arrays' if any(not isinstance(a, np.ndarray) for a in arrays) else 'host arrays'})")
     if borrowed:
         arrays = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in arrays]
     return _one_handle(base, [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor)
@@ -270,8 +289,10 @@ def _split(flat: np.ndarray, shapes) -> List[np.ndarray]:
 
 
 def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[np.ndarray]:
-    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor))
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      quorum: Optional[int] = None) -> List[np.ndarray]:
+    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor,
+                                               quorum))
 
 
 def allgather_async(array, name: Optional[str] = None) -> Handle:

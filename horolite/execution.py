@@ -21,6 +21,7 @@ from .fusion import plan_spans
 from .handle import Handle
 from .messages import Kind, Response
 from .ops import ReduceOp, dtype_from_name
+from .quorum import QuorumExecutor
 from .ring import row_bounds
 from .tensor_queue import Entry, TensorQueue
 
@@ -144,6 +145,7 @@ class Executor:
         self.timeline = timeline
         # GPU path: a device_execution.DeviceExecutor, set by the runtime when NCCL is up.
         self.device = None
+        self.quorum = QuorumExecutor(transport, queue)
 
     # ---- entry points ----
     def set_fusion_threshold(self, threshold: int) -> None:
@@ -157,7 +159,10 @@ class Executor:
             batch, batch_entries = responses[lo:hi], entries[lo:hi]
             first = batch[0]
             try:
-                if first.error is not None:
+                if first.contributors:
+                    self.quorum.run(first, batch_entries[0],
+                                    _error_for(first) if first.error is not None else None)
+                elif first.error is not None:
                     self._complete(first, batch_entries[0], error=_error_for(first))
                 elif first.device != "cpu":
                     self._run_device(batch, batch_entries)

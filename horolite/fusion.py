@@ -32,7 +32,9 @@ def plan_spans(responses: Sequence[Response], nbytes: Callable[[Response], int],
     spans: List[Tuple[int, int]] = []
     start, key, current_bytes = -1, None, 0  # the open batch, if start >= 0
     for i, resp in enumerate(responses):
-        size = nbytes(resp) if resp.kind == Kind.ALLREDUCE and resp.error is None else -1
+        # (a quorum allreduce runs alone: its contributors are its own)
+        size = (nbytes(resp) if resp.kind == Kind.ALLREDUCE and resp.error is None
+                and not resp.contributors else -1)
         fusable = 0 <= size <= threshold and threshold > 0
         if fusable and start >= 0 and current_bytes + size <= threshold:
             k = _fusion_key(resp)

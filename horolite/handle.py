@@ -20,7 +20,7 @@ class Handle:
     # on (threading.Event builds a Condition per handle); it is made only when someone
     # must wait, since most handles of a step are done by the time they are asked.
     __slots__ = ("name", "_done", "_gate", "_result", "_exception", "_callbacks", "_transform",
-                 "first_dims")
+                 "first_dims", "contributors")
 
     def __init__(self, name: str, transform: Optional[Callable[[Any], Any]] = None):
         self.name = name
@@ -33,6 +33,8 @@ class Handle:
         # An allgather's: every rank's first dimension, in rank order (a list of
         # them for a grouped allgather). Its gradient needs them to find this rank's rows.
         self.first_dims = None
+        # A quorum allreduce's: the ranks whose inputs were reduced (quorum.py).
+        self.contributors = None
 
     def done(self) -> bool:
         return self._done

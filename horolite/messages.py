@@ -43,11 +43,13 @@ class Request:
     device: str = "cpu"
     # A grouped allreduce sent as one request: the shapes of its members.
     group: Tuple[Tuple[int, ...], ...] = ()
+    # Quorum allreduce (quorum.py): done once this many ranks have submitted; 0: all of them.
+    quorum: int = 0
 
     def signature(self) -> tuple:
         """Everything but the name: equal signatures mean a cached response still fits."""
         return (self.kind, self.dtype, self.shape, self.op, self.root,
-                self.prescale, self.postscale, self.device, self.group)
+                self.prescale, self.postscale, self.device, self.group, self.quorum)
 
 
 @dataclass
@@ -71,6 +73,11 @@ class Response:
     error_type: str = "mismatch"
     # JOIN: the last rank that joined.
     last_joined: int = -1
+    # Quorum allreduce (quorum.py): the ranks whose inputs were reduced, and the ranks
+    # whose requests were part of the decision (the others answer a later submission
+    # of this name with the result). Both empty for any other collective.
+    contributors: Tuple[int, ...] = ()
+    present: Tuple[int, ...] = ()
     # Response-cache slot the tensor was answered from (-1: negotiated in full).
     cache_slot: int = field(default=-1, compare=False)
 

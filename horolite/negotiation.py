@@ -10,6 +10,7 @@ import time
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from . import quorum
 from .messages import JOIN_NAME, Kind, Request, Response
 from .ops import ReduceOp
 
@@ -60,7 +61,8 @@ def check_requests(name: str, requests: Dict[int, Request], size: int,
 
     for field, label in (("kind", "collective"), ("dtype", "dtype"), ("device", "device"),
                          ("op", "reduce op"), ("root", "root rank"),
-                         ("prescale", "prescale factor"), ("postscale", "postscale factor")):
+                         ("prescale", "prescale factor"), ("postscale", "postscale factor"),
+                         ("quorum", "quorum")):
         problem = _disagreement(field, label, {r: getattr(q, field) for r, q in requests.items()})
         if problem:
             return fail(problem)
@@ -130,11 +132,16 @@ class Coordinator:
         for name in list(self._table):
             requests = self._table[name]
             participants = len([r for r in requests if r not in self._joined])
-            if participants < expected or not requests:
+            first = next(iter(requests.values()), None)
+            if first is None or participants < quorum.needed(first, expected):
                 continue
             del self._table[name]
             del self._first_seen[name]
-            out.append(check_requests(name, requests, self.size, self._joined))
+            response = check_requests(name, requests, self.size, self._joined)
+            if first.quorum:
+                response = quorum.decide(response, list(requests), self._joined,
+                                         quorum.needed(first, expected))
+            out.append(response)
         if len(self._joined) == self.size:
             last = next(reversed(self._joined))
             self._joined.clear()

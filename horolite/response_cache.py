@@ -48,7 +48,7 @@ class ResponseCache:
 
     def cacheable(self, response: Response) -> bool:
         return (self.capacity > 0 and response.error is None and response.kind in _CACHEABLE
-                and not response.joined)
+                and not response.joined and not response.contributors)
 
     def put(self, request: Request, response: Response) -> Optional[int]:
         """Store a response under this rank's request; returns the slot evicted, if any."""

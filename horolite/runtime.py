@@ -164,8 +164,9 @@ class Runtime:
                     # Nothing in flight here, so no other rank can be waiting on this one
                     # until it submits (and submitting wakes us): after a couple of cycles,
                     # back off to IDLE_MAX_SECONDS; a cycle starts as soon as work arrives.
+                    # (Not while quorum allreduces run: they need this rank without its work.)
                     idle_cycles += 1
-                    pause = (self._cycle_seconds if idle_cycles <= 2
+                    pause = (self._cycle_seconds if idle_cycles <= 2 or self.executor.quorum.active(start)
                              else max(self._cycle_seconds, IDLE_MAX_SECONDS))
                     self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))
         except BaseException as e:  # a bug: report it everywhere rather than hang the job
@@ -193,6 +194,8 @@ class Runtime:
         for entry in self.queue.take_new():
             entry.taken = now
             req = entry.request
+            if req.quorum and self.executor.quorum.answer(entry):
+                continue  # decided without this rank: answered with that result
             if req.kind == Kind.JOIN:
                 self._joined = True
                 self._unsent.append(entry)

@@ -114,3 +114,9 @@ def test_timeline_cost(tmp_path):
             line.startswith("| 16")]
     assert len(rows) == 2 and all(line.endswith("x |") for line in rows), proc.stdout
     assert not list(tmp_path.iterdir())  # its file is removed
+
+
+def test_quorum_stragglers(tmp_path):
+    doc = run_bench("quorum_stragglers", tmp_path)
+    assert set(doc["median_seconds_per_step"]) == {"all", "quorum", "no straggler"}
+    assert min(doc["median_seconds_per_step"].values()) > 0 and doc["all_vs_quorum"] > 0

@@ -51,3 +51,11 @@ def test_tensorflow_examples(name):
         # 6 epochs saved, 8 after the resume: the loaded optimizer kept its iteration count
         assert int(resumed.group(1)) * 6 == int(saved.group(1)) * 8 > 0, out[-3000:]
         assert float(resumed.group(2)) > 0.8
+
+
+def test_wrapper_optimizers_digits():
+    out = run_example("wrapper_optimizers_digits.py", 2, "--epochs", "2", "--straggler-ms", "5")
+    rows = re.findall(r"\| (\w+)\(?[^|]*\| ([\d.]+) \| ([\d.]+) \|", out)
+    assert [name for name, _, _ in rows] == ["DistributedOptimizer", "ModelAverageOptimizer",
+                                             "ElasticAverageOptimizer", "SyncReplicasOptimizer"], out[-3000:]
+    assert all(float(acc) > 0.8 and float(sec) > 0 for _, acc, sec in rows), rows

@@ -61,3 +61,8 @@ def test_interpreter_exit_without_shutdown_is_clean(np_, tmp_path):
 @pytest.mark.parametrize("np_", RANK_COUNTS)
 def test_shared_memory(np_):
     run_pytest_file(os.path.join(PARALLEL, "test_shared_memory.py"), np_)
+
+
+@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "mpi-ring")])
+def test_quorum(np_, variant):
+    run_pytest_file(os.path.join(PARALLEL, "test_quorum.py"), np_, VARIANTS[variant])

@@ -29,6 +29,8 @@ from .gradients import GradientReducer, LocalAggregator, check_arguments
 from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather,
                       grouped_allreduce, grouped_reducescatter, join,
                       local_rank_op, local_size_op, rank_op, reducescatter, size_op)
+from .wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
+                                 SyncReplicasOptimizer)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -42,6 +44,7 @@ __all__ = [
     "broadcast_global_variables", "BroadcastGlobalVariablesHook",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
     "SyncBatchNormalization",
+    "ModelAverageOptimizer", "ElasticAverageOptimizer", "SyncReplicasOptimizer",
     "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
     "ShutdownError", "StallError",
 ]

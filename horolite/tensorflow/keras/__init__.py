@@ -24,6 +24,8 @@ from .. import (Compression, SyncBatchNormalization, _local_layer_variables, all
                 allgather_object, allreduce, broadcast, broadcast_object, broadcast_variables,
                 grouped_allgather, grouped_allreduce, grouped_reducescatter, join, reducescatter)
 from ..gradients import GradientReducer, LocalAggregator, check_arguments
+from ..wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
+                                  SyncReplicasOptimizer)
 from . import callbacks
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -33,7 +35,8 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "Average", "Sum", "Adasum", "Min",
            "Max", "Product", "Compression", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "grouped_reducescatter",
            "broadcast", "reducescatter", "join", "broadcast_variables", "broadcast_object", "allgather_object",
-           "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization", "load_model", "callbacks", "broadcast_global_variables"]
+           "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization", "load_model", "callbacks", "broadcast_global_variables",
+           "ModelAverageOptimizer", "ElasticAverageOptimizer", "SyncReplicasOptimizer"]
 
 
 class _DistributedMixin:

@@ -7,9 +7,10 @@ import tensorflow as tf
 import horolite as _core
 
 from ..functions import broadcast_variables
+from .model_average import ModelAverageCallback  # local SGD (beyond Horovod)
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback"]
+           "LearningRateWarmupCallback", "ModelAverageCallback"]
 
 keras = tf.keras
 
