@@ -12,14 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from mpi4py import MPI
 
 from . import config as config_mod
+from . import wire
 from .autotune import Autotuner, parse_start
 from .control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
-from .errors import HorovodInternalError, ShutdownError, StallError
+from .errors import ControlMessageError, HorovodInternalError, ShutdownError, StallError
 from .execution import Executor
 from .messages import JOIN_NAME, Kind
 from .negotiation import Coordinator
@@ -41,6 +42,8 @@ _log = logging.getLogger("horolite")
 CACHE_DEMOTE_SECONDS = 1.0
 # Longest pause between cycles while this rank has nothing in flight.
 IDLE_MAX_SECONDS = 0.1
+# Why rank 0 stops the job (the reason word travels with the response list).
+_STOP_ERRORS = {"stall": StallError, "control": ControlMessageError}
 
 
 class Topology:
@@ -219,10 +222,11 @@ class Runtime:
             flags |= SHUTDOWN
         if self._joined:
             flags |= JOINED
-        stall_message = None
+        stop = None
         if self.stall is not None:
             stall_message = self.stall.check(self.coordinator, now, self.rank)
             if stall_message:
+                stop = ("stall", stall_message)
                 flags |= COORDINATOR
 
         control = self._control
@@ -265,10 +269,10 @@ class Runtime:
             self._unsent.extend(self._waiting.values())
             self._waiting.clear()
 
-        shutdown_message = None
+        agreed_stop = None
         # Every rank takes this branch or none: it depends only on reduced values.
         if global_flags & (HAS_UNSENT | JOINED | COORDINATOR) or invalid_slots:
-            negotiated, shutdown_message = self._negotiate(stall_message)
+            negotiated, agreed_stop = self._negotiate(stop)
             done = time.monotonic()
             for resp in negotiated:
                 entry = self.queue.get(resp.name) if resp.kind != Kind.JOIN else self._join_entry()
@@ -288,8 +292,9 @@ class Runtime:
             reduced = self.executor.run(responses, entries)
             if self.autotuner is not None and self.autotuner.observe(time.monotonic(), reduced):
                 self._setting = self.autotuner.setting
-        if shutdown_message:
-            self._fail_pending(StallError(shutdown_message))
+        if agreed_stop:
+            reason, message = agreed_stop
+            self._fail_pending(_STOP_ERRORS.get(reason, HorovodInternalError)(message))
             return False
         return True
 
@@ -301,16 +306,25 @@ class Runtime:
         if entry is not None:
             self._unsent.append(entry)
 
-    def _negotiate(self, stall_message: Optional[str]):
-        """Gather unsent requests at rank 0; broadcast its ordered responses."""
+    def _negotiate(self, stop: Optional[Tuple[str, str]]):
+        """Gather unsent requests at rank 0; broadcast its ordered responses, and a
+        (reason, message) when every rank must stop (a stall, a malformed message)."""
         mine = [e.request for e in self._unsent]
         self._unsent = []
-        gathered = self.transport.gather_objects(mine)
-        payload = None
+        gathered = self.transport.gather_bytes(wire.encode_requests(mine) if self.rank else b"")
+        payload = b""
         if self.rank == 0:
             now = time.monotonic()
-            for rank, requests in enumerate(gathered):
+            try:
+                decoded = [mine] + [wire.decode_requests(data, q)
+                                    for q, data in enumerate(gathered) if q]
+            except ControlMessageError as e:
+                _log.error("rank 0: %s; stopping the job", e)
+                decoded, stop = [], ("control", str(e))
+            for rank, requests in enumerate(decoded):
                 self.coordinator.add(rank, requests, now)
-            payload = (self.coordinator.responses(), stall_message)
-        return self.transport.bcast_object(payload)
+            responses = self.coordinator.responses() if decoded else []
+            self.transport.bcast_bytes(wire.encode_responses(responses, stop))
+            return responses, stop
+        return wire.decode_responses(self.transport.bcast_bytes(payload), 0)
 

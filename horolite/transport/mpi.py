@@ -116,11 +116,31 @@ class MPITransport:
         req = self.control_comm.Iallreduce(vector, out, op=MPI.BOR)
         self.waiter.wait(req)
 
-    def gather_objects(self, obj, root: int = 0):
-        return self.control_comm.gather(obj, root=root)
+    def gather_bytes(self, data: bytes, root: int = 0):
+        """Every rank's `data` at `root` (a list in rank order; None elsewhere)."""
+        comm = self.control_comm
+        lengths = np.empty(self.size, dtype=np.int64) if self.rank == root else None
+        comm.Gather(np.array([len(data)], dtype=np.int64), lengths, root=root)
+        if self.rank != root:
+            comm.Gatherv(np.frombuffer(data, dtype=np.uint8), None, root=root)
+            return None
+        offsets = np.zeros(self.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        out = np.empty(int(offsets[-1]), dtype=np.uint8)
+        comm.Gatherv(np.frombuffer(data, dtype=np.uint8), [out, lengths, offsets[:-1], MPI.BYTE],
+                     root=root)
+        raw = out.tobytes()
+        return [raw[offsets[q]:offsets[q + 1]] for q in range(self.size)]
 
-    def bcast_object(self, obj, root: int = 0):
-        return self.control_comm.bcast(obj, root=root)
+    def bcast_bytes(self, data, root: int = 0) -> bytes:
+        """`data` from `root` (ignored elsewhere) on every rank."""
+        comm = self.control_comm
+        length = np.array([len(data) if self.rank == root else 0], dtype=np.int64)
+        comm.Bcast(length, root=root)
+        buf = (np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root
+               else np.empty(int(length[0]), dtype=np.uint8))
+        comm.Bcast(buf, root=root)
+        return data if self.rank == root else buf.tobytes()
 
     # ---- data plane ----
     def allreduce(self, buf: np.ndarray, op, postscale: float, what: str = "") -> None:
