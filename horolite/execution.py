@@ -156,6 +156,8 @@ class Executor:
         for lo, hi, layout in self._plan(responses):
             batch, batch_entries = responses[lo:hi], entries[lo:hi]
             first = batch[0]
+            self.transport.doing(f"tensor '{first.name}'" if hi - lo == 1 else
+                                 f"tensor '{first.name}' and {hi - lo - 1} more fused with it")
             try:
                 if first.error is not None:
                     self._complete(first, batch_entries[0], error=_error_for(first))

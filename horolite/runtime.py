@@ -14,13 +14,17 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 from mpi4py import MPI
 
 from . import config as config_mod
 from . import wire
 from .autotune import Autotuner, parse_start
 from .control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
+from .collective_watch import CollectiveWatch
 from .errors import ControlMessageError, HorovodInternalError, ShutdownError, StallError
+from .failure import (FailureChannel, Notice, PeerFailure, caused_by_peer, describe_exception,
+                      hard_exit_after, launcher_marker, signal_name)
 from .execution import Executor
 from .messages import JOIN_NAME, Kind
 from .negotiation import Coordinator
@@ -42,6 +46,9 @@ _log = logging.getLogger("horolite")
 CACHE_DEMOTE_SECONDS = 1.0
 # Longest pause between cycles while this rank has nothing in flight.
 IDLE_MAX_SECONDS = 0.1
+# Seconds a rank whose job cannot go on has to end by itself (its user code raising the
+# error) before it ends itself: a rank asleep in user code must not keep the job alive.
+EXIT_GRACE_SECONDS = 3.0
 # Why rank 0 stops the job (the reason word travels with the response list).
 _STOP_ERRORS = {"stall": StallError, "control": ControlMessageError}
 
@@ -80,7 +87,14 @@ class Runtime:
                          self.topology.local_size)
         shared = open_shared_memory(comm, polite, cfg.stall_check_time_seconds,
                                     enabled=cfg.shared_memory)
-        self.transport = MPITransport(comm, polite=polite, shared_memory=shared)
+        # Failures and stalls (failure.py, collective_watch.py): every wait on other ranks
+        # hears another rank's failure notice and times itself.
+        self.failures = FailureChannel(comm, comm.allgather(self.topology.hostname))
+        self.watch = CollectiveWatch(self.failures, cfg.stall_check_time_seconds,
+                                     cfg.stall_shutdown_time_seconds, not cfg.stall_check_disable)
+        self.doomed: Optional[BaseException] = None  # set when this process must end
+        self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
+                                      watch=self.watch, channel=self.failures)
         self.queue = TensorQueue()
         self.cache = ResponseCache(cfg.cache_capacity)
         self.timeline = open_timeline(cfg.timeline, self.rank)
@@ -93,7 +107,8 @@ class Runtime:
             from .device_execution import DeviceExecutor
             self.executor.device = DeviceExecutor(self.nccl, cfg.fusion_threshold)
         self.coordinator = Coordinator(self.size) if self.rank == 0 else None
-        self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds)
+        self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds,
+                                     self.failures.where)
                       if self.rank == 0 and not cfg.stall_check_disable else None)
         self._control = ControlVector(cfg.cache_capacity)
         self._unsent: List[Entry] = []
@@ -101,6 +116,7 @@ class Runtime:
         self._invalid: set = set()
         self._joined = False
         self._shutdown_requested = threading.Event()
+        self._exiting: Optional[int] = None
         self._fatal: Optional[BaseException] = None
         self._demote_after = min(CACHE_DEMOTE_SECONDS, cfg.stall_check_time_seconds / 2)
         self._cycle_seconds = cfg.cycle_time_ms / 1000.0
@@ -122,8 +138,11 @@ class Runtime:
     def submit(self, entry: Entry):
         return self.queue.submit(entry)
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Ask every rank to stop; fail what is pending; never hang."""
+    def shutdown(self, timeout: float = 30.0, exiting: Optional[int] = None) -> None:
+        """Ask every rank to stop; fail what is pending; never hang. `exiting`: this
+        process is exiting (the exit code, or -1 when unknown): other ranks' pending
+        collectives then fail naming this rank as the one that left."""
+        self._exiting = exiting
         self._shutdown_requested.set()
         self.queue.wake.set()
         if threading.current_thread() is not self._thread:
@@ -153,6 +172,8 @@ class Runtime:
                 if not self._cycle():
                     # Every rank stops at the same agreed cycle, so collective cleanup is safe.
                     self.transport.close()
+                    if self.doomed is None:
+                        self.failures.close()
                     break
                 if self.queue.has_inflight():
                     # Work is waiting on other ranks: space the cycles out, but start
@@ -169,17 +190,67 @@ class Runtime:
                     pause = (self._cycle_seconds if idle_cycles <= 2
                              else max(self._cycle_seconds, IDLE_MAX_SECONDS))
                     self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))
+        except PeerFailure as e:  # heard inside a wait: another rank failed (or this one)
+            self._end_for_failure(e.notice)
+        except StallError as e:  # a collective stalled inside a wait, on this rank
+            self._end_for_failure(None, e)
         except BaseException as e:  # a bug: report it everywhere rather than hang the job
             _log.exception("rank %d: background thread failed", self.rank)
-            self._fail_pending(HorovodInternalError(f"horolite background thread failed on rank "
-                                                    f"{self.rank}: {e!r}"))
-            MPI.COMM_WORLD.Abort(1)
+            self._end_for_failure(None, HorovodInternalError(
+                f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
+
+    # ---- the end of a job that cannot go on (failure.py) ----
+    def report_exception(self, exc: BaseException, tb) -> None:
+        """An uncaught exception is ending this process (main thread): tell the others."""
+        if caused_by_peer(exc) or self.doomed is not None:
+            return  # the cause is elsewhere, and already reported
+        text = f"{self.failures.where(self.rank)} failed: {describe_exception(exc, tb)}"
+        launcher_marker("cause", rank=self.rank, code=1, text=text)
+        self.doomed = HorovodInternalError(text)
+        self.failures.announce(text)
+        self.queue.wake.set()
+
+    def report_signal(self, signum: int) -> None:
+        """SIGTERM is ending this process: tell the others (unless they told us first)."""
+        if self.doomed is not None or self.failures.heard is not None:
+            return
+        text = (f"{self.failures.where(self.rank)} was killed by signal {signum} "
+                f"({signal_name(signum)})")
+        launcher_marker("cause", rank=self.rank, code=128 + signum, text=text)
+        self.doomed = HorovodInternalError(text)
+        self.failures.announce(text)
+
+    def _end_for_failure(self, notice: Optional[Notice], error: Optional[BaseException] = None):
+        """Fail every pending and later collective with the cause, and end this process
+        soon even if its user code is stuck elsewhere (failure.hard_exit_after)."""
+        if notice is not None and notice.rank != self.rank:
+            _log.error("rank %d: %s; failing this rank's collectives", self.rank, notice.text)
+            launcher_marker("stopped", rank=self.rank, by=notice.rank, text=notice.text)
+            self.failures.acknowledge()
+            error = HorovodInternalError(notice.text)
+            error.horolite_peer = notice.rank
+        elif notice is not None:  # this rank's own notice (report_exception)
+            error = self.doomed
+        else:  # found on this rank: fail its collectives, then tell the others
+            _log.error("rank %d: %s", self.rank, error)
+            launcher_marker("cause", rank=self.rank, code=1, text=error)
+            self._doom(error)
+            self.failures.announce(str(error))
+            return
+        self._doom(error)
+
+    def _doom(self, error: BaseException) -> None:
+        self._fail_pending(error)
+        if self.doomed is None or self.doomed is not error:
+            self.doomed = self.doomed or error
+        hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}")
 
     def _fail_pending(self, error: BaseException) -> None:
         self._fatal = self._fatal or error
         pending = self.queue.close(error)
         for entry in pending:
             exc = type(error)(f"tensor '{entry.request.name}': {error}")
+            exc.horolite_peer = getattr(error, "horolite_peer", None)
             entry.handle._set_exception(exc)
         self._unsent.clear()
         self._waiting.clear()
@@ -187,6 +258,9 @@ class Runtime:
     def _cycle(self) -> bool:
         """One negotiate-fuse-execute round; False when the runtime must stop."""
         now = time.monotonic()
+        notice = self.failures.check() or self.failures.sent
+        if notice is not None:
+            raise PeerFailure(notice)
         if self._mark_cycles:
             self.timeline.instant("CYCLE_START")
         lookup = self.cache.lookup if self.cache.capacity else None
@@ -239,8 +313,7 @@ class Runtime:
         self.executor.set_fusion_threshold(fusion_threshold)
 
         if global_flags & SHUTDOWN:
-            self._fail_pending(ShutdownError("horolite was shut down (shutdown() was called on a "
-                                             "rank) before this collective completed"))
+            self._fail_pending(self._shutdown_error())
             return False
 
         for slot in invalid_slots:
@@ -294,9 +367,34 @@ class Runtime:
                 self._setting = self.autotuner.setting
         if agreed_stop:
             reason, message = agreed_stop
-            self._fail_pending(_STOP_ERRORS.get(reason, HorovodInternalError)(message))
+            _log.error("rank %d: %s", self.rank, message)
+            if self.rank == 0:
+                launcher_marker("stall" if reason == "stall" else "cause", rank=0, code=1,
+                                text=message)
+            self._doom(_STOP_ERRORS.get(reason, HorovodInternalError)(message))
             return False
         return True
+
+    def _shutdown_error(self) -> ShutdownError:
+        """Who stopped the job, and how (one small allgather: every rank agreed on the
+        shutdown in this same cycle, so every rank makes it)."""
+        mine = np.array([0 if self._exiting is None else 1,
+                         -1 if self._exiting is None else self._exiting], dtype=np.int64)
+        everyone = self.transport.allgather_ints(mine)
+        leavers = [q for q in range(self.size) if everyone[q][0]]
+        if not leavers:
+            return ShutdownError("horolite was shut down (shutdown() was called on a rank) "
+                                 "before this collective completed")
+        first = leavers[0]
+        code = int(everyone[first][1])
+        how = f"its process exited with code {code}" if code >= 0 else "its process exited"
+        error = ShutdownError(f"{self.failures.where(first)} left the job ({how}) before this "
+                              "collective completed on every rank")
+        if first != self.rank:
+            error.horolite_peer = first
+            if self.queue.has_inflight():
+                launcher_marker("stopped", rank=self.rank, by=first, text=error)
+        return error
 
     def _join_entry(self) -> Optional[Entry]:
         return self.queue.get(JOIN_NAME)
