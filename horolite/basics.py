@@ -79,7 +79,7 @@ def _shutdown_at_exit() -> None:
     if rt is None or not process_hooks.in_init_process():
         return
     code = process_hooks.exit_code()
-    rt.shutdown(timeout=5.0 if rt.doomed is not None else 30.0,
+    rt.shutdown(timeout=1.0 if rt.doomed is not None else 30.0,
                 exiting=-1 if code is None else code)
     if rt.doomed is not None:
         process_hooks.exit_now(1 if code is None else code)

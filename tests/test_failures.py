@@ -122,7 +122,7 @@ def test_a_frozen_rank_inside_a_collective_is_reported_and_ends_the_job(np_, sha
     assert "stopping" in notes(tmp_path, np_ - 1)
     assert proc.returncode != 0
     for r in range(np_ - 1):
-        assert logged(proc.out, r, np_, "inside a collective for 1 s"), proc.out[-3000:]
+        assert logged(proc.out, r, np_, "has waited 1 s inside a collective"), proc.out[-3000:]
         assert logged(proc.out, r, np_, "stalled inside a collective for 3 s"), proc.out[-3000:]
     assert proc.seconds < 40
 
