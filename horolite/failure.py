@@ -156,9 +156,24 @@ def caused_by_peer(exc: BaseException) -> bool:
     return getattr(exc, "horolite_peer", None) is not None
 
 
+def _under_rank_wrapper() -> bool:
+    """True when horolite-run's rank wrapper is this process's parent (Linux /proc)."""
+    global _wrapped
+    if _wrapped is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                _wrapped = b"rankwrap" in f.read()
+        except OSError:
+            _wrapped = False
+    return _wrapped
+
+
+_wrapped: Optional[bool] = None
+
+
 def launcher_marker(kind: str, **fields) -> None:
-    """A line for horolite-run's summary (only under it: its rank wrapper sets the variable)."""
-    if not os.environ.get("HOROLITE_RANKWRAP"):
+    """A line for horolite-run's summary, only under it (its rank wrapper reads it)."""
+    if not _under_rank_wrapper():
         return
     text = " ".join(f"{k}={v}" for k, v in fields.items() if k != "text")
     line = f"{_MARKER} {kind} {text}"

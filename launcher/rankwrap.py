@@ -117,7 +117,6 @@ def main(argv=None):
             copies[name] = open(os.path.join(rank_dir, name), "wb")
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")  # rank output shows up as it is printed
-    env["HOROLITE_RANKWRAP"] = "1"  # the runtime then prints its failure markers (failure.py)
 
     state = {"signal": None, "kill_at": None}
 
