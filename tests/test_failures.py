@@ -164,3 +164,19 @@ def test_forked_children_never_touch_mpi(tmp_path):
     assert "PMI" not in out and "Broken pipe" not in out, out[-3000:]
     assert all(notes(tmp_path, r) == "ok\n" for r in range(np_)), out[-3000:]
     assert not leftover_processes(str(tmp_path))
+
+
+def test_in_tensorflow_the_error_keeps_the_cause(tmp_path):
+    pytest.importorskip("tensorflow")
+    cmd = mpirun_command(2) + [sys.executable,
+                               os.path.join(ROOT, "tests", "failure_cases", "tf_cause.py"),
+                               str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    seen = notes(tmp_path, 0)
+    # Inside tf.function TensorFlow picks the class (UnknownError here); the text stays.
+    assert seen.startswith("UnknownError") and (
+        f"rank 1 (host {HOST}) failed: RuntimeError: bad batch (tf_cause.py:") in seen, out[-3000:]
+    assert not leftover_processes(str(tmp_path))
