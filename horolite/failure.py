@@ -186,11 +186,14 @@ def launcher_marker(kind: str, **fields) -> None:
         pass
 
 
-def hard_exit_after(seconds: float, code: int, why: str) -> None:
+def hard_exit_after(seconds: float, code: int, why: str) -> threading.Event:
     """End this process `seconds` from now unless it has ended by itself: a rank stuck in
-    user code (or in MPI_Finalize waiting for one) must not keep the job alive."""
+    user code must not keep the job alive. Setting the returned event cancels it."""
+    cancel = threading.Event()
+
     def run():
-        time.sleep(seconds)
+        if cancel.wait(seconds):
+            return
         _log.error("%s: ending this process now (exit code %d)", why, code)
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -199,6 +202,7 @@ def hard_exit_after(seconds: float, code: int, why: str) -> None:
                 pass
         os._exit(code)
     threading.Thread(target=run, name="horolite-hard-exit", daemon=True).start()
+    return cancel
 
 
 def signal_name(signum: int) -> str:

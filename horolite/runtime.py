@@ -117,6 +117,7 @@ class Runtime:
         self._joined = False
         self._shutdown_requested = threading.Event()
         self._exiting: Optional[int] = None
+        self._hard_exit: Optional[threading.Event] = None  # set: the hard exit is cancelled
         self._fatal: Optional[BaseException] = None
         self._demote_after = min(CACHE_DEMOTE_SECONDS, cfg.stall_check_time_seconds / 2)
         self._cycle_seconds = cfg.cycle_time_ms / 1000.0
@@ -143,6 +144,8 @@ class Runtime:
         process is exiting (the exit code, or -1 when unknown): other ranks' pending
         collectives then fail naming this rank as the one that left."""
         self._exiting = exiting
+        if self._hard_exit is not None and exiting is None:
+            self._hard_exit.set()  # the user's code handled the failure and shuts down itself
         self._shutdown_requested.set()
         self.queue.wake.set()
         if threading.current_thread() is not self._thread:
@@ -243,7 +246,8 @@ class Runtime:
         self._fail_pending(error)
         if self.doomed is None or self.doomed is not error:
             self.doomed = self.doomed or error
-        hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}")
+        if self._hard_exit is None:
+            self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}")
 
     def _fail_pending(self, error: BaseException) -> None:
         self._fatal = self._fatal or error
