@@ -14,7 +14,6 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 from mpi4py import MPI
 
 from . import config as config_mod
@@ -23,8 +22,8 @@ from .autotune import Autotuner, parse_start
 from .control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
 from .collective_watch import CollectiveWatch
 from .errors import ControlMessageError, HorovodInternalError, ShutdownError, StallError
-from .failure import (FailureChannel, Notice, PeerFailure, caused_by_peer, describe_exception,
-                      hard_exit_after, launcher_marker, signal_name)
+from .failure import FailureChannel, PeerFailure, launcher_marker
+from .job_end import JobEnd
 from .execution import Executor
 from .messages import JOIN_NAME, Kind
 from .negotiation import Coordinator
@@ -46,9 +45,6 @@ _log = logging.getLogger("horolite")
 CACHE_DEMOTE_SECONDS = 1.0
 # Longest pause between cycles while this rank has nothing in flight.
 IDLE_MAX_SECONDS = 0.1
-# Seconds a rank whose job cannot go on has to end by itself (its user code raising the
-# error) before it ends itself: a rank asleep in user code must not keep the job alive.
-EXIT_GRACE_SECONDS = 3.0
 # Why rank 0 stops the job (the reason word travels with the response list).
 _STOP_ERRORS = {"stall": StallError, "control": ControlMessageError}
 
@@ -72,7 +68,7 @@ class Topology:
         cross.Free()
 
 
-class Runtime:
+class Runtime(JobEnd):
     def __init__(self, comm: MPI.Comm, cfg: config_mod.Config):
         self.config = cfg
         self.comm = comm
@@ -201,53 +197,6 @@ class Runtime:
             _log.exception("rank %d: background thread failed", self.rank)
             self._end_for_failure(None, HorovodInternalError(
                 f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
-
-    # ---- the end of a job that cannot go on (failure.py) ----
-    def report_exception(self, exc: BaseException, tb) -> None:
-        """An uncaught exception is ending this process (main thread): tell the others."""
-        if caused_by_peer(exc) or self.doomed is not None:
-            return  # the cause is elsewhere, and already reported
-        text = f"{self.failures.where(self.rank)} failed: {describe_exception(exc, tb)}"
-        launcher_marker("cause", rank=self.rank, code=1, text=text)
-        self.doomed = HorovodInternalError(text)
-        self.failures.announce(text)
-        self.queue.wake.set()
-
-    def report_signal(self, signum: int) -> None:
-        """SIGTERM is ending this process: tell the others (unless they told us first)."""
-        if self.doomed is not None or self.failures.heard is not None:
-            return
-        text = (f"{self.failures.where(self.rank)} was killed by signal {signum} "
-                f"({signal_name(signum)})")
-        launcher_marker("cause", rank=self.rank, code=128 + signum, text=text)
-        self.doomed = HorovodInternalError(text)
-        self.failures.announce(text)
-
-    def _end_for_failure(self, notice: Optional[Notice], error: Optional[BaseException] = None):
-        """Fail every pending and later collective with the cause, and end this process
-        soon even if its user code is stuck elsewhere (failure.hard_exit_after)."""
-        if notice is not None and notice.rank != self.rank:
-            _log.error("rank %d: %s; failing this rank's collectives", self.rank, notice.text)
-            launcher_marker("stopped", rank=self.rank, by=notice.rank, text=notice.text)
-            self.failures.acknowledge()
-            error = HorovodInternalError(notice.text)
-            error.horolite_peer = notice.rank
-        elif notice is not None:  # this rank's own notice (report_exception)
-            error = self.doomed
-        else:  # found on this rank: fail its collectives, then tell the others
-            _log.error("rank %d: %s", self.rank, error)
-            launcher_marker("cause", rank=self.rank, code=1, text=error)
-            self._doom(error)
-            self.failures.announce(str(error))
-            return
-        self._doom(error)
-
-    def _doom(self, error: BaseException) -> None:
-        self._fail_pending(error)
-        if self.doomed is None or self.doomed is not error:
-            self.doomed = self.doomed or error
-        if self._hard_exit is None:
-            self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}")
 
     def _fail_pending(self, error: BaseException) -> None:
         self._fatal = self._fatal or error
@@ -378,27 +327,6 @@ class Runtime:
             self._doom(_STOP_ERRORS.get(reason, HorovodInternalError)(message))
             return False
         return True
-
-    def _shutdown_error(self) -> ShutdownError:
-        """Who stopped the job, and how (one small allgather: every rank agreed on the
-        shutdown in this same cycle, so every rank makes it)."""
-        mine = np.array([0 if self._exiting is None else 1,
-                         -1 if self._exiting is None else self._exiting], dtype=np.int64)
-        everyone = self.transport.allgather_ints(mine)
-        leavers = [q for q in range(self.size) if everyone[q][0]]
-        if not leavers:
-            return ShutdownError("horolite was shut down (shutdown() was called on a rank) "
-                                 "before this collective completed")
-        first = leavers[0]
-        code = int(everyone[first][1])
-        how = f"its process exited with code {code}" if code >= 0 else "its process exited"
-        error = ShutdownError(f"{self.failures.where(first)} left the job ({how}) before this "
-                              "collective completed on every rank")
-        if first != self.rank:
-            error.horolite_peer = first
-            if self.queue.has_inflight():
-                launcher_marker("stopped", rank=self.rank, by=first, text=error)
-        return error
 
     def _join_entry(self) -> Optional[Entry]:
         return self.queue.get(JOIN_NAME)
