@@ -160,6 +160,7 @@ class Supervisor:
         self.cause: Optional[tuple] = None
         self.stopped_by: Dict[int, int] = {}
         self.shm = ShmLeftovers()
+        self._stopping = False  # the launcher has signalled mpirun
         self.interrupted: Optional[int] = None
         self.timed_out = False
         self._signals: List[int] = []
@@ -295,7 +296,10 @@ class Supervisor:
         if kind == "stopped":
             self.stopped_by.setdefault(rank, int(fields.get("by", -1)))
             return False
-        if self.cause is None and self.interrupted is None and not self.timed_out:
+        # Only the first account of a job still running normally: once a rank has failed
+        # or the launcher stops the job, a rank reporting its SIGTERM is a consequence.
+        if self.cause is None and self.first_failure is None and not self._stopping and \
+                self.interrupted is None and not self.timed_out:
             self.cause = (kind, rank, fields.get("text", ""), int(fields.get("code", 1) or 1))
             self._log(f"{self.cause[2]}; stopping the other ranks" if self.num_proc > 1
                       else self.cause[2])
@@ -335,6 +339,7 @@ class Supervisor:
             status.stopped = fields.get("stopped") == "1"
 
     def _send(self, signum):
+        self._stopping = True
         try:
             os.kill(self.proc.pid, signum)
         except ProcessLookupError:

@@ -58,3 +58,15 @@ def test_a_stall_shutdown_is_one_message():
     result = sup._result(1)
     assert result.exit_code == 1 and result.message.startswith(
         "job failed: stall shutdown after HOROLITE_STALL_SHUTDOWN_TIME_SECONDS=3: tensor 'g'")
+
+
+def test_a_sigterm_report_after_another_rank_failed_is_not_the_cause():
+    sup = supervisor(2)
+    feed(sup, ["##horolite-run## exit rank=1 host=h code=3 signal=0 stopped=0"])
+    sup.first_failure = sup.ranks[1]  # as the main loop records it
+    feed(sup, ["[0]<stderr>:##horolite-run## cause rank=0 code=143 text=rank 0 (host h) was "
+               "killed by signal 15 (SIGTERM)",
+               "##horolite-run## exit rank=0 host=h code=143 signal=15 stopped=1"])
+    result = sup._result(1)
+    assert result.exit_code == 3 and "rank 1 (host h" in result.message, result.message
+    assert "SIGTERM" not in result.message
