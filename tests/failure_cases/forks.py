@@ -6,6 +6,7 @@ Children made with os.fork, multiprocessing's fork start method and a fork proce
 pool (a data loader) exit in every way; collectives called in them raise at once; the
 parent's job goes on and ends cleanly. Each rank writes OUTDIR/rank.<N> when done.
 """
+import faulthandler
 import multiprocessing
 import os
 import sys
@@ -15,6 +16,7 @@ import numpy as np
 import horolite as hvd
 
 OUTDIR = sys.argv[1]
+faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where, then fails
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 
