@@ -7,7 +7,7 @@ import os
 import threading
 
 from . import config as config_mod
-from . import launch_check, log, settings
+from . import launch_check, log, process_hooks, settings
 from .errors import NotInitializedError
 from .mpi_library import load_mpi
 
@@ -43,8 +43,9 @@ def init(comm=None) -> None:
                 _log.warning("%s is set but %s", variable, advice)
         _runtime = Runtime(comm, cfg)
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
             _atexit_registered = True
+        process_hooks.install(_current_runtime, _after_fork_in_child)
 
 
 def _set_thread_level(cfg) -> None:
@@ -88,6 +89,26 @@ def shutdown() -> None:
         rt.shutdown()
 
 
+def _current_runtime():
+    return _runtime
+
+
+def _shutdown_at_exit() -> None:
+    """At interpreter exit: other ranks' pending collectives name this rank as the one that
+    left. A process whose job cannot go on (a failure, a stall shutdown) ends here, before
+    MPI_Finalize, which would wait for ranks that may never get there."""
+    global _runtime
+    with _lock:
+        rt, _runtime = _runtime, None
+    if rt is None or not process_hooks.in_init_process():
+        return
+    code = process_hooks.exit_code()
+    rt.shutdown(timeout=1.0 if rt.doomed is not None else 30.0,
+                exiting=-1 if code is None else code)
+    if rt.doomed is not None:
+        process_hooks.exit_now(1 if code is None else code)
+
+
 def is_initialized() -> bool:
     return _runtime is not None
 
@@ -97,6 +118,14 @@ def runtime():
     if rt is None:
         raise NotInitializedError("horolite is not initialized: call horolite.init() first")
     return rt
+
+
+def _after_fork_in_child() -> None:
+    """A child forked after init() must never touch MPI (its connection is the parent's):
+    the topology queries still answer, collectives raise at once, nothing is finalized."""
+    global _runtime
+    if _runtime is not None:
+        _runtime = process_hooks.ForkedRuntime(_runtime)
 
 
 def rank() -> int:

@@ -47,15 +47,23 @@ def _as_array(array, name: str, kind: Kind) -> np.ndarray:
         # GPU path: a contiguous CuPy view on this rank's GPU, no host copy (device.py).
         arr = _device.device_input(array, name, runtime())
     else:
-        arr = np.asarray(array)
-        if not arr.flags.c_contiguous:  # (np.ascontiguousarray would turn scalars into 1-d)
-            arr = arr.copy(order="C")
+        try:
+            arr = np.asarray(array)
+        except Exception as e:  # ragged lists and the like
+            raise InvalidCollectiveError(f"tensor '{name}': {kind.label} takes an array, and "
+                                         f"{type(array).__name__} is not one ({e})") from None
     dname = dtype_name(arr.dtype)
     allowed = REDUCIBLE_DTYPES if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER) else MOVABLE_DTYPES
     if dname not in allowed:
         raise InvalidCollectiveError(
             f"tensor '{name}': dtype {dname} is not supported by {kind.label}; "
             f"supported: {', '.join(allowed)}")
+    if not arr.dtype.isnative:
+        # The kernels read native byte order: a big-endian array on this host is converted
+        # (the values are the same), and the result comes back in native order.
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    elif not (arr.flags.c_contiguous and arr.flags.aligned):
+        arr = arr.copy(order="C")  # (np.ascontiguousarray would turn scalars into 1-d)
     return arr
 
 
@@ -108,7 +116,8 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, quorum: Optional[int] = None) -> Handle:
     if quorum is None and name and array.__class__ is np.ndarray and op.__class__ is ReduceOp and \
-            prescale_factor == 1.0 == postscale_factor and array.flags.c_contiguous:
+            prescale_factor == 1.0 == postscale_factor and array.flags.c_contiguous and \
+            array.flags.aligned:
         # The common case (a step's many named gradients), without the general checks'
         # cost: this runs once per tensor per step on the caller's thread.
         dname = _REDUCIBLE_NAMES.get(array.dtype)
@@ -238,6 +247,8 @@ def _pack_host_group(arrays: list, base: str):
     for a in arrays:
         if a.__class__ is not np.ndarray or a.dtype != dtype:
             return None
+    if not dtype.isnative:
+        return None  # converted member by member first
     dname = dtype_name(dtype)
     if dname not in REDUCIBLE_DTYPES:
         raise InvalidCollectiveError(

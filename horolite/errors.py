@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
-           "ShutdownError", "StallError", "NotInitializedError"]
+           "ShutdownError", "StallError", "NotInitializedError", "ControlMessageError"]
 
 
 class HorovodInternalError(RuntimeError):
@@ -31,3 +31,7 @@ class StallError(ShutdownError):
 
 class NotInitializedError(ValueError):
     """A collective was called before `horolite.init()` (or after `shutdown()`)."""
+
+
+class ControlMessageError(HorovodInternalError):
+    """A control message from another rank could not be decoded (corrupt or foreign bytes)."""

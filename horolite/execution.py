@@ -158,6 +158,8 @@ class Executor:
         for lo, hi, layout in self._plan(responses):
             batch, batch_entries = responses[lo:hi], entries[lo:hi]
             first = batch[0]
+            self.transport.doing(f"tensor '{first.name}'" if hi - lo == 1 else
+                                 f"tensor '{first.name}' and {hi - lo - 1} more fused with it")
             try:
                 if first.contributors:
                     self.quorum.run(first, batch_entries[0],

@@ -12,14 +12,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from mpi4py import MPI
 
 from . import config as config_mod
+from . import wire
 from .autotune import Autotuner, parse_start
 from .control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
-from .errors import HorovodInternalError, ShutdownError, StallError
+from .collective_watch import CollectiveWatch
+from .errors import ControlMessageError, HorovodInternalError, ShutdownError, StallError
+from .failure import FailureChannel, PeerFailure, launcher_marker
+from .job_end import JobEnd
 from .execution import Executor
 from .messages import JOIN_NAME, Kind
 from .negotiation import Coordinator
@@ -41,6 +45,8 @@ _log = logging.getLogger("horolite")
 CACHE_DEMOTE_SECONDS = 1.0
 # Longest pause between cycles while this rank has nothing in flight.
 IDLE_MAX_SECONDS = 0.1
+# Why rank 0 stops the job (the reason word travels with the response list).
+_STOP_ERRORS = {"stall": StallError, "control": ControlMessageError}
 
 
 class Topology:
@@ -62,7 +68,7 @@ class Topology:
         cross.Free()
 
 
-class Runtime:
+class Runtime(JobEnd):
     def __init__(self, comm: MPI.Comm, cfg: config_mod.Config):
         self.config = cfg
         self.comm = comm
@@ -77,7 +83,14 @@ class Runtime:
                          self.topology.local_size)
         shared = open_shared_memory(comm, polite, cfg.stall_check_time_seconds,
                                     enabled=cfg.shared_memory)
-        self.transport = MPITransport(comm, polite=polite, shared_memory=shared)
+        # Failures and stalls (failure.py, collective_watch.py): every wait on other ranks
+        # hears another rank's failure notice and times itself.
+        self.failures = FailureChannel(comm, comm.allgather(self.topology.hostname))
+        self.watch = CollectiveWatch(self.failures, cfg.stall_check_time_seconds,
+                                     cfg.stall_shutdown_time_seconds, not cfg.stall_check_disable)
+        self.doomed: Optional[BaseException] = None  # set when this process must end
+        self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
+                                      watch=self.watch, channel=self.failures)
         self.queue = TensorQueue()
         self.cache = ResponseCache(cfg.cache_capacity)
         self.timeline = open_timeline(cfg.timeline, self.rank)
@@ -90,7 +103,8 @@ class Runtime:
             from .device_execution import DeviceExecutor
             self.executor.device = DeviceExecutor(self.nccl, cfg.fusion_threshold)
         self.coordinator = Coordinator(self.size) if self.rank == 0 else None
-        self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds)
+        self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds,
+                                     self.failures.where)
                       if self.rank == 0 and not cfg.stall_check_disable else None)
         self._control = ControlVector(cfg.cache_capacity)
         self._unsent: List[Entry] = []
@@ -98,6 +112,8 @@ class Runtime:
         self._invalid: set = set()
         self._joined = False
         self._shutdown_requested = threading.Event()
+        self._exiting: Optional[int] = None
+        self._hard_exit: Optional[threading.Event] = None  # set: the hard exit is cancelled
         self._fatal: Optional[BaseException] = None
         self._demote_after = min(CACHE_DEMOTE_SECONDS, cfg.stall_check_time_seconds / 2)
         self._cycle_seconds = cfg.cycle_time_ms / 1000.0
@@ -119,8 +135,13 @@ class Runtime:
     def submit(self, entry: Entry):
         return self.queue.submit(entry)
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Ask every rank to stop; fail what is pending; never hang."""
+    def shutdown(self, timeout: float = 30.0, exiting: Optional[int] = None) -> None:
+        """Ask every rank to stop; fail what is pending; never hang. `exiting`: this
+        process is exiting (the exit code, or -1 when unknown): other ranks' pending
+        collectives then fail naming this rank as the one that left."""
+        self._exiting = exiting
+        if self._hard_exit is not None and exiting is None:
+            self._hard_exit.set()  # the user's code handled the failure and shuts down itself
         self._shutdown_requested.set()
         self.queue.wake.set()
         if threading.current_thread() is not self._thread:
@@ -152,6 +173,8 @@ class Runtime:
                 if not alive:
                     # Every rank stops at the same agreed cycle, so collective cleanup is safe.
                     self.transport.close()
+                    if self.doomed is None:
+                        self.failures.close()
                     break
                 if self.queue.has_inflight():
                     # Work is waiting on other ranks: space the cycles out, but start
@@ -169,17 +192,21 @@ class Runtime:
                     pause = (self._cycle_seconds if idle_cycles <= 2 or self.executor.quorum.active(start)
                              else max(self._cycle_seconds, IDLE_MAX_SECONDS))
                     self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))
+        except PeerFailure as e:  # heard inside a wait: another rank failed (or this one)
+            self._end_for_failure(e.notice)
+        except StallError as e:  # a collective stalled inside a wait, on this rank
+            self._end_for_failure(None, e)
         except BaseException as e:  # a bug: report it everywhere rather than hang the job
             _log.exception("rank %d: background thread failed", self.rank)
-            self._fail_pending(HorovodInternalError(f"horolite background thread failed on rank "
-                                                    f"{self.rank}: {e!r}"))
-            MPI.COMM_WORLD.Abort(1)
+            self._end_for_failure(None, HorovodInternalError(
+                f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
 
     def _fail_pending(self, error: BaseException) -> None:
         self._fatal = self._fatal or error
         pending = self.queue.close(error)
         for entry in pending:
             exc = type(error)(f"tensor '{entry.request.name}': {error}")
+            exc.horolite_peer = getattr(error, "horolite_peer", None)
             entry.handle._set_exception(exc)
         self._unsent.clear()
         self._waiting.clear()
@@ -187,6 +214,9 @@ class Runtime:
     def _cycle(self) -> bool:
         """One negotiate-fuse-execute round; False when the runtime must stop."""
         now = time.monotonic()
+        notice = self.failures.check() or self.failures.sent
+        if notice is not None:
+            raise PeerFailure(notice)
         if self._mark_cycles:
             self.timeline.instant("CYCLE_START")
         lookup = self.cache.lookup if self.cache.capacity else None
@@ -224,10 +254,11 @@ class Runtime:
             flags |= SHUTDOWN
         if self._joined:
             flags |= JOINED
-        stall_message = None
+        stop = None
         if self.stall is not None:
             stall_message = self.stall.check(self.coordinator, now, self.rank)
             if stall_message:
+                stop = ("stall", stall_message)
                 flags |= COORDINATOR
 
         control = self._control
@@ -240,8 +271,7 @@ class Runtime:
         self.executor.set_fusion_threshold(fusion_threshold)
 
         if global_flags & SHUTDOWN:
-            self._fail_pending(ShutdownError("horolite was shut down (shutdown() was called on a "
-                                             "rank) before this collective completed"))
+            self._fail_pending(self._shutdown_error())
             return False
 
         for slot in invalid_slots:
@@ -270,10 +300,10 @@ class Runtime:
             self._unsent.extend(self._waiting.values())
             self._waiting.clear()
 
-        shutdown_message = None
+        agreed_stop = None
         # Every rank takes this branch or none: it depends only on reduced values.
         if global_flags & (HAS_UNSENT | JOINED | COORDINATOR) or invalid_slots:
-            negotiated, shutdown_message = self._negotiate(stall_message)
+            negotiated, agreed_stop = self._negotiate(stop)
             done = time.monotonic()
             for resp in negotiated:
                 entry = self.queue.get(resp.name) if resp.kind != Kind.JOIN else self._join_entry()
@@ -293,8 +323,13 @@ class Runtime:
             reduced = self.executor.run(responses, entries)
             if self.autotuner is not None and self.autotuner.observe(time.monotonic(), reduced):
                 self._setting = self.autotuner.setting
-        if shutdown_message:
-            self._fail_pending(StallError(shutdown_message))
+        if agreed_stop:
+            reason, message = agreed_stop
+            _log.error("rank %d: %s", self.rank, message)
+            if self.rank == 0:
+                launcher_marker("stall" if reason == "stall" else "cause", rank=0, code=1,
+                                text=message)
+            self._doom(_STOP_ERRORS.get(reason, HorovodInternalError)(message))
             return False
         return True
 
@@ -306,16 +341,25 @@ class Runtime:
         if entry is not None:
             self._unsent.append(entry)
 
-    def _negotiate(self, stall_message: Optional[str]):
-        """Gather unsent requests at rank 0; broadcast its ordered responses."""
+    def _negotiate(self, stop: Optional[Tuple[str, str]]):
+        """Gather unsent requests at rank 0; broadcast its ordered responses, and a
+        (reason, message) when every rank must stop (a stall, a malformed message)."""
         mine = [e.request for e in self._unsent]
         self._unsent = []
-        gathered = self.transport.gather_objects(mine)
-        payload = None
+        gathered = self.transport.gather_bytes(wire.encode_requests(mine) if self.rank else b"")
+        payload = b""
         if self.rank == 0:
             now = time.monotonic()
-            for rank, requests in enumerate(gathered):
+            try:
+                decoded = [mine] + [wire.decode_requests(data, q)
+                                    for q, data in enumerate(gathered) if q]
+            except ControlMessageError as e:
+                _log.error("rank 0: %s; stopping the job", e)
+                decoded, stop = [], ("control", str(e))
+            for rank, requests in enumerate(decoded):
                 self.coordinator.add(rank, requests, now)
-            payload = (self.coordinator.responses(), stall_message)
-        return self.transport.bcast_object(payload)
+            responses = self.coordinator.responses() if decoded else []
+            self.transport.bcast_bytes(wire.encode_responses(responses, stop))
+            return responses, stop
+        return wire.decode_responses(self.transport.bcast_bytes(payload), 0)
 

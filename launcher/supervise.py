@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -28,10 +29,12 @@ from typing import Dict, List, Optional, Sequence
 
 from . import hosts as hostlib
 from .rankwrap import MARKER
+from .shm_cleanup import ShmLeftovers
 
 __all__ = ["RankStatus", "JobResult", "Supervisor", "parse_marker", "describe_exit"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_RUNTIME_MARKERS = ("cause", "stopped", "stall")
 
 
 @dataclasses.dataclass
@@ -53,14 +56,32 @@ class JobResult:
 
 
 def parse_marker(line: str) -> Optional[tuple]:
-    """``##horolite-run## exit rank=1 code=3`` -> ("exit", {"rank": "1", "code": "3"})."""
+    """``##horolite-run## exit rank=1 code=3`` -> ("exit", {"rank": "1", "code": "3"}).
+    A ``text=`` field comes last and takes the rest of the line (the runtime's markers:
+    ``cause``, ``stopped``, ``stall``; see horolite/failure.py)."""
     if not line.startswith(MARKER):
         return None
+    line, _, text = line.rstrip("\n").partition(" text=")
     parts = line[len(MARKER):].split()
     if not parts:
         return None
     fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
+    if text:
+        fields["text"] = text
     return parts[0], fields
+
+
+_RANK_PREFIX = re.compile(rb"^\[\d+\]<std(?:out|err)>:")
+
+
+def _marker_line(raw: bytes) -> Optional[bytes]:
+    """The marker in a wrapper's line, or in a rank's own line as the wrapper prefixed it."""
+    if raw.startswith(MARKER.encode()):
+        return raw
+    match = _RANK_PREFIX.match(raw)
+    if match and raw[match.end():].startswith(MARKER.encode()):
+        return raw[match.end():]
+    return None
 
 
 def _signame(num: int) -> str:
@@ -136,6 +157,12 @@ class Supervisor:
         self.ranks: Dict[int, RankStatus] = {r: RankStatus(r) for r in range(num_proc)}
         self.events: "queue.Queue" = queue.Queue()
         self.first_failure: Optional[RankStatus] = None
+        # The runtime's own reports: (kind, rank, text, exit code) of the first failure it
+        # announced, and which rank each stopped rank was stopped by.
+        self.cause: Optional[tuple] = None
+        self.stopped_by: Dict[int, int] = {}
+        self.shm = ShmLeftovers()
+        self._stopping = False  # the launcher has signalled mpirun
         self.interrupted: Optional[int] = None
         self.timed_out = False
         self._signals: List[int] = []
@@ -144,8 +171,9 @@ class Supervisor:
     # --- output relay (reader threads) ---
     def _relay(self, pipe, out, parse: bool):
         for raw in iter(pipe.readline, b""):
-            if parse and raw.startswith(MARKER.encode()):
-                parsed = parse_marker(raw.decode(errors="replace"))
+            marker = _marker_line(raw) if parse and MARKER.encode() in raw else None
+            if marker is not None:
+                parsed = parse_marker(marker.decode(errors="replace"))
                 if parsed:
                     self.events.put(parsed)
                     continue
@@ -197,11 +225,14 @@ class Supervisor:
             except queue.Empty:
                 kind, fields = None, None
             now = time.monotonic()
-            if kind in ("start", "exit"):
+            if kind in _RUNTIME_MARKERS:
+                if self._runtime_report(kind, fields) and stop_at is None and kill_at is None:
+                    stop_at = now + self.fail_grace
+            elif kind in ("start", "exit"):
                 self._record(kind, fields)
                 if kind == "exit" and self.first_failure is None and self._failed(fields):
                     self.first_failure = self.ranks[int(fields["rank"])]
-                    if self.num_proc > 1:
+                    if self.num_proc > 1 and self.cause is None:
                         self._log(f"{describe_exit(self.first_failure)}; stopping the other ranks")
                     if stop_at is None:
                         stop_at = now + self.fail_grace
@@ -221,6 +252,7 @@ class Supervisor:
             if now >= next_scan:
                 next_scan = now + 0.5
                 self._tree.update(descendants(proc.pid))
+                self.shm.scan(self._tree)
             if not self.timed_out and now >= start_deadline and \
                     not all(r.started for r in self.ranks.values()):
                 self.timed_out = True
@@ -241,7 +273,9 @@ class Supervisor:
             t.join(timeout=2.0)
         while not self.events.empty():
             kind, fields = self.events.get_nowait()
-            if kind in ("start", "exit"):
+            if kind in _RUNTIME_MARKERS:
+                self._runtime_report(kind, fields)
+            elif kind in ("start", "exit"):
                 self._record(kind, fields)
                 if kind == "exit" and self.first_failure is None and self._failed(fields):
                     self.first_failure = self.ranks[int(fields["rank"])]
@@ -249,7 +283,30 @@ class Supervisor:
         result = self._result(returncode)
         if result.exit_code != 0:
             self._kill_tree_leftovers()
+        removed = self.shm.remove_leftovers()
+        if removed:
+            self._log(f"removed {len(removed)} shared-memory segment(s) the job left in "
+                      f"/dev/shm: {', '.join(os.path.basename(p) for p in removed)}")
         return result
+
+    def _runtime_report(self, kind, fields) -> bool:
+        """A rank's own account (horolite/failure.py): True when it ends the job."""
+        try:
+            rank = int(fields.get("rank", -1))
+        except ValueError:
+            return False
+        if kind == "stopped":
+            self.stopped_by.setdefault(rank, int(fields.get("by", -1)))
+            return False
+        # Only the first account of a job still running normally: once a rank has failed
+        # or the launcher stops the job, a rank reporting its SIGTERM is a consequence.
+        if self.cause is None and self.first_failure is None and not self._stopping and \
+                self.interrupted is None and not self.timed_out:
+            self.cause = (kind, rank, fields.get("text", ""), int(fields.get("code", 1) or 1))
+            self._log(f"{self.cause[2]}; stopping the other ranks" if self.num_proc > 1
+                      else self.cause[2])
+            return True
+        return False
 
     def _kill_tree_leftovers(self):
         """After a failed job, whatever mpirun started here and left behind (a hung ssh...)."""
@@ -284,6 +341,7 @@ class Supervisor:
             status.stopped = fields.get("stopped") == "1"
 
     def _send(self, signum):
+        self._stopping = True
         try:
             os.kill(self.proc.pid, signum)
         except ProcessLookupError:
@@ -316,11 +374,40 @@ class Supervisor:
                 f"{', '.join(map(str, missing))} (on {', '.join(where) or 'unknown hosts'}). "
                 f"{self.start_help}, and that {sys.executable} exists there")
 
+    def _reported_result(self) -> Optional[JobResult]:
+        """The summary from the ranks' own reports: the rank that failed first, with its
+        cause, then the ranks stopped as a result; None when no rank reported anything."""
+        if self.cause is not None:
+            kind, origin, text, code = self.cause
+            status = self.ranks.get(origin)
+            if kind == "stall":
+                return JobResult(1, f"job failed: {text}; every rank was stopped")
+            if status is not None and status.code and not status.stopped:
+                code = status.code  # what the rank itself exited with
+        elif self.stopped_by:
+            origin = min(self.stopped_by.values())
+            status = self.ranks.get(origin)
+            if status is None:
+                return None
+            left = describe_exit(status) if status.code is not None else f"rank {origin} ended"
+            text = f"{left} while other ranks still ran collectives"
+            code = status.code or 1
+        else:
+            return None
+        others = sorted(r for r in self.ranks if r != origin)
+        message = f"job failed: {text}"
+        if others:
+            message += f"; ranks stopped as a result: {', '.join(map(str, others))}"
+        return JobResult(code, message)
+
     def _result(self, returncode: int) -> JobResult:
         if self.interrupted is not None:
             return JobResult(128 + self.interrupted, f"stopped by {_signame(self.interrupted)}")
         if self.timed_out:
             return JobResult(returncode or 1, "ranks did not start within --start-timeout")
+        reported = self._reported_result()
+        if reported is not None:
+            return reported
         failures = [s for s in self.ranks.values()
                     if (s.code not in (None, 0) or s.signal) and not s.stopped]
         failed = self.first_failure or (failures[0] if failures else None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -18,6 +18,7 @@ from ..ring import Ring
 __all__ = ["PointToPoint", "MPITransport", "oversubscribed"]
 
 _DATA_TAG = 7
+CONTROL_LABEL = "this cycle's control message"
 
 
 def oversubscribed(local_size: int) -> bool:
@@ -29,33 +30,57 @@ def oversubscribed(local_size: int) -> bool:
 
 
 class Waiter:
-    """Waits on MPI requests, blocking in C or polling with yields."""
+    """Waits on MPI requests, blocking in C or polling with yields.
 
-    def __init__(self, polite: bool):
+    `watch(waited_seconds, peer)`, when given, is called every WATCH_EVERY seconds of
+    one wait (polling), or when another rank's failure notice arrives (blocking: the
+    wait also waits on `channel.request`, the failure channel's posted receive). It
+    raises to abandon the wait: that is how a rank blocked inside a collective hears
+    that another rank failed or that the collective stalled (collective_watch.py).
+    """
+
+    WATCH_EVERY = 0.02
+
+    def __init__(self, polite: bool, watch: Optional[Callable] = None, channel=None):
         self.polite = polite
+        self.watch = watch
+        self.channel = channel
 
-    def wait(self, req: MPI.Request) -> None:
+    def wait(self, req: MPI.Request, peer: int = -1) -> None:
         if not self.polite:
-            req.Wait()
+            self._block([req])
             return
-        self._poll(req.Test)
+        self._poll(req.Test, peer)
 
-    def wait_all(self, reqs: Sequence[MPI.Request]) -> None:
+    def wait_all(self, reqs: Sequence[MPI.Request], peer: int = -1) -> None:
         if not reqs:
             return
         if not self.polite:
+            self._block(list(reqs))
+            return
+        self._poll(lambda: MPI.Request.Testall(reqs), peer)
+
+    def _block(self, reqs) -> None:
+        channel = self.channel
+        if channel is None or channel.request is None or self.watch is None:
             MPI.Request.Waitall(reqs)
             return
-        self._poll(lambda: MPI.Request.Testall(reqs))
+        pending = list(reqs)
+        while pending:  # blocks in C until one completes: a request, or a failure notice
+            index = MPI.Request.Waitany(pending + [channel.request], channel.status)
+            if index == len(pending):
+                channel.completed()
+                self.watch(0.0, -1)  # raises: another rank's notice arrived
+            pending = [r for r in pending if r != MPI.REQUEST_NULL]
 
-    @staticmethod
-    def _poll(test) -> None:
+    def _poll(self, test, peer: int) -> None:
         # Spin briefly (a neighbour that is running answers in microseconds), then
         # yield, then sleep longer and longer so a descheduled neighbour gets the core,
         # but at most 100 us: the partner that arrives last would otherwise wait for
         # this rank's sleep to end (500 us here made ranks leave ~0.5 ms apart).
         spins = 0
         pause = 1e-5
+        start = next_watch = 0.0
         while not test():
             spins += 1
             if spins > 64:
@@ -64,6 +89,13 @@ class Waiter:
                 else:
                     time.sleep(pause)
                     pause = min(pause * 1.5, 1e-4)
+                    if self.watch is not None:
+                        now = time.monotonic()
+                        if not start:
+                            start, next_watch = now, now + self.WATCH_EVERY
+                        elif now >= next_watch:
+                            next_watch = now + self.WATCH_EVERY
+                            self.watch(now - start, peer)
 
 
 class PointToPoint:
@@ -85,13 +117,13 @@ class PointToPoint:
 
     def sendrecv(self, send: np.ndarray, recv: np.ndarray, dest: int = -1, source: int = -1) -> None:
         reqs = [self.irecv(recv, source), self.isend(send, dest)]
-        self._waiter.wait_all(reqs)
+        self._waiter.wait_all(reqs, self.left if source < 0 else source)
 
     def wait(self, req) -> None:
-        self._waiter.wait(req)
+        self._waiter.wait(req, self.left)
 
     def wait_all(self, reqs) -> None:
-        self._waiter.wait_all(reqs)
+        self._waiter.wait_all(reqs, self.right)
 
 
 class MPITransport:
@@ -99,10 +131,11 @@ class MPITransport:
 
     device = "cpu"
 
-    def __init__(self, comm: MPI.Comm, polite: bool, shared_memory=None):
+    def __init__(self, comm: MPI.Comm, polite: bool, shared_memory=None, watch=None,
+                 channel=None):
         """shared_memory: a shared_memory.SharedMemoryAllreduce for allreduce when every
-        rank is on this host, else None (the ring over MPI)."""
-        self.waiter = Waiter(polite)
+        rank is on this host, else None (the ring over MPI). watch, channel: see Waiter."""
+        self.waiter = Waiter(polite, watch, channel)
         self.shared_memory = shared_memory
         self.data_comm = comm.Dup()
         self.control_comm = comm.Dup()
@@ -111,29 +144,63 @@ class MPITransport:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
 
+    def doing(self, what: str) -> None:
+        """Name the work the next waits are for, in stall reports (collective_watch.py)."""
+        if self.waiter.watch is not None:
+            self.waiter.watch.what = what
+
     # ---- control plane (small, host-side) ----
     def control_or(self, vector: np.ndarray, out: np.ndarray) -> None:
+        self.doing(CONTROL_LABEL)
         req = self.control_comm.Iallreduce(vector, out, op=MPI.BOR)
         self.waiter.wait(req)
 
-    def gather_objects(self, obj, root: int = 0):
-        return self.control_comm.gather(obj, root=root)
+    def gather_bytes(self, data: bytes, root: int = 0):
+        """Every rank's `data` at `root` (a list in rank order; None elsewhere)."""
+        comm = self.control_comm
+        lengths = np.empty(self.size, dtype=np.int64) if self.rank == root else None
+        wait = self.waiter.wait
+        wait(comm.Igather(np.array([len(data)], dtype=np.int64), lengths, root=root))
+        if self.rank != root:
+            wait(comm.Igatherv(np.frombuffer(data, dtype=np.uint8), None, root=root))
+            return None
+        offsets = np.zeros(self.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        out = np.empty(int(offsets[-1]), dtype=np.uint8)
+        wait(comm.Igatherv(np.frombuffer(data, dtype=np.uint8),
+                           [out, lengths, offsets[:-1], MPI.BYTE], root=root))
+        raw = out.tobytes()
+        return [raw[offsets[q]:offsets[q + 1]] for q in range(self.size)]
 
-    def bcast_object(self, obj, root: int = 0):
-        return self.control_comm.bcast(obj, root=root)
+    def bcast_bytes(self, data, root: int = 0) -> bytes:
+        """`data` from `root` (ignored elsewhere) on every rank."""
+        comm = self.control_comm
+        length = np.array([len(data) if self.rank == root else 0], dtype=np.int64)
+        self.waiter.wait(comm.Ibcast(length, root=root))
+        buf = (np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root
+               else np.empty(int(length[0]), dtype=np.uint8))
+        self.waiter.wait(comm.Ibcast(buf, root=root))
+        return data if self.rank == root else buf.tobytes()
+
+    def allgather_ints(self, values: np.ndarray) -> np.ndarray:
+        """Every rank's int64 `values` (same length everywhere), one row per rank."""
+        out = np.empty((self.size, values.size), dtype=np.int64)
+        self.waiter.wait(self.control_comm.Iallgather(np.ascontiguousarray(values, np.int64),
+                                                      out))
+        return out
 
     # ---- data plane ----
     def allreduce(self, buf: np.ndarray, op, postscale: float, what: str = "") -> None:
         """`what` names the tensors in a stall report, e.g. "tensor 'w'"."""
         if self.shared_memory is not None and buf.size:
-            self.shared_memory.allreduce(buf, buf, op, postscale, what)
+            self.shared_memory.allreduce(buf, buf, op, postscale, what, self.waiter.watch)
         else:
             self.ring.allreduce(buf, op, postscale)
 
     def allreduce_from(self, src: np.ndarray, dst: np.ndarray, op, postscale: float,
                        what: str = "") -> None:
         if self.shared_memory is not None and src.size:
-            self.shared_memory.allreduce(src, dst, op, postscale, what)
+            self.shared_memory.allreduce(src, dst, op, postscale, what, self.waiter.watch)
         else:
             self.ring.allreduce_from(src, dst, op, postscale)
 

@@ -33,6 +33,8 @@ SLOT_BYTES = 1 << 20
 SLOTS = 4
 _WORDS = {"staged": _lib.HL_SHM_STAGED, "reduced": _lib.HL_SHM_REDUCED,
           "gathered": _lib.HL_SHM_GATHERED}
+# How often a wait in the C loop comes back to Python to check for failures and stalls.
+WATCH_TICK = 0.25
 # Address space for each rank's result arena; memory is used only as the
 # output pool fills it, and the pool keeps at most half of this.
 ARENA_BYTES = 1 << 30
@@ -73,27 +75,35 @@ class SharedMemoryAllreduce:
         comm.Barrier()  # every rank's counters are zero before anyone reads them
 
     def allreduce(self, src: np.ndarray, dst: np.ndarray, op, postscale: float,
-                  what: str = "") -> None:
+                  what: str = "", watch=None) -> None:
         """src and dst: 1-D, contiguous, same size and dtype; dst may be src.
-        `what` names the tensors in a stall report, e.g. "tensor 'w'"."""
+        `what` names the tensors in a stall report, e.g. "tensor 'w'". `watch(waited,
+        ranks behind)` is called every WATCH_TICK of waiting and may raise to give up
+        (collective_watch.py; it also reports the stall); without it, a warning every
+        report_after seconds."""
         code, opc = kernels.native_codes(src.dtype, op)
         self._state[0] = 0
         self._state[1] = _lib.HL_SHM_UNPUBLISHED
+        tick = min(WATCH_TICK, self.report_after) if watch is not None else self.report_after
         waited = 0.0
         while True:
             rc = _lib.hl_shm_allreduce(
                 self._headers, self._slots, self._arenas, self._arena_bytes, self.size,
                 self.rank, SLOT_BYTES, SLOTS, _ffi.from_buffer(src),
                 _ffi.from_buffer(dst, require_writable=True), src.size, code, src.itemsize,
-                opc, postscale, self._epoch, self._state, self.report_after, self.polite,
+                opc, postscale, self._epoch, self._state, tick, self.polite,
                 self._blocks)
             if rc == 0:
                 break
             if rc < 0:
                 kernels.check(rc)
-            waited += self.report_after
-            _log.warning("rank %d: %s has waited %.0f s in the shared-memory allreduce "
-                         "for ranks %s", self.rank, what or "a tensor", waited, self._behind())
+            waited += tick
+            if watch is not None:
+                watch(waited, self._behind())
+            else:
+                _log.warning("rank %d: %s has waited %.0f s in the shared-memory allreduce "
+                             "for ranks %s", self.rank, what or "a tensor", waited,
+                             self._behind())
         self._epoch += self._blocks[0]
 
     @property

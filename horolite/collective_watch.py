@@ -1,0 +1,67 @@
+"""Stalls inside a collective, and other ranks' failures, noticed from within a wait.
+
+The stall inspector (stall.py) sees tensors some ranks never submitted. Once a
+collective runs, a peer that freezes (SIGSTOP, a swapped-out host, a link down)
+leaves this rank waiting inside MPI or the shared-memory loop, where no cycle
+runs. Every transport's waits call CollectiveWatch every few tens of
+milliseconds instead (transport/mpi.py's Waiter, the shared-memory loop's tick;
+a hierarchical transport passes it on the same way), so the wait is reported
+after HOROLITE_STALL_CHECK_TIME_SECONDS, given up after
+HOROLITE_STALL_SHUTDOWN_TIME_SECONDS, and abandoned at once when another rank's
+failure notice arrives.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence, Union
+
+from .errors import StallError
+from .failure import FailureChannel, PeerFailure
+
+__all__ = ["CollectiveWatch"]
+
+_log = logging.getLogger("horolite.stall")
+
+
+class CollectiveWatch:
+    def __init__(self, channel: FailureChannel, warn_after: float, shutdown_after: float,
+                 enabled: bool = True):
+        self.channel = channel
+        self.rank = channel.rank
+        self.warn_after = warn_after
+        self.shutdown_after = shutdown_after if enabled else 0.0
+        self.enabled = enabled
+        # What the background thread is running: set per batch by the executor.
+        self.what = "this cycle's control message"
+        self._next_warning = warn_after
+        self._last_waited = 0.0
+
+    def peers_text(self, peers: Union[int, Sequence[int], None]) -> str:
+        if peers is None or peers == -1 or (not isinstance(peers, int) and not peers):
+            return "other ranks"
+        ranks = [peers] if isinstance(peers, int) else list(peers)
+        return ", ".join(self.channel.where(q) for q in ranks)
+
+    def __call__(self, waited: float, peers=None) -> None:
+        """Called from inside a wait that has lasted `waited` seconds on `peers`."""
+        notice = self.channel.check()
+        if notice is not None:
+            raise PeerFailure(notice)
+        if self.channel.sent is not None:
+            raise PeerFailure(self.channel.sent)  # this rank is going: stop waiting
+        if not self.enabled:
+            return
+        if waited < self._last_waited:  # a new wait
+            self._next_warning = self.warn_after
+        self._last_waited = waited
+        if waited >= self._next_warning:
+            self._next_warning = waited + self.warn_after
+            _log.warning("rank %d: %s has waited %.0f s inside a collective for %s "
+                         "(stopped, or a link down?)", self.rank, self.what, waited,
+                         self.peers_text(peers))
+        if self.shutdown_after and waited >= self.shutdown_after:
+            raise StallError(
+                f"{self.what} stalled inside a collective for {waited:.0f} s on "
+                f"{self.channel.where(self.rank)}, waiting for {self.peers_text(peers)} "
+                f"(HOROLITE_STALL_SHUTDOWN_TIME_SECONDS={self.shutdown_after:g}); "
+                "shutting the job down")

@@ -1,0 +1,72 @@
+"""horolite-run's summary from the ranks' own failure reports (launcher/supervise.py)."""
+from horolite.launcher.supervise import Supervisor, _marker_line, parse_marker
+
+
+def supervisor(n):
+    return Supervisor(["true"], n, ["h"] * n, start_timeout=5, log=lambda msg: None)
+
+
+def feed(sup, lines):
+    for line in lines:
+        raw = _marker_line(line.encode())
+        assert raw is not None, line
+        kind, fields = parse_marker(raw.decode())
+        if kind in ("start", "exit"):
+            sup._record(kind, fields)
+        else:
+            sup._runtime_report(kind, fields)
+
+
+def test_a_marker_inside_a_ranks_prefixed_line_is_found_with_its_text():
+    line = "[2]<stderr>:##horolite-run## cause rank=2 code=1 text=rank 2 (host a) failed: E: x=1 (t.py:3)\n"
+    kind, fields = parse_marker(_marker_line(line.encode()).decode())
+    assert kind == "cause" and fields == {"rank": "2", "code": "1",
+                                          "text": "rank 2 (host a) failed: E: x=1 (t.py:3)"}
+    assert _marker_line(b"[2]<stdout>:hello ##horolite-run## cause rank=1\n") is None
+
+
+def test_the_failing_rank_comes_first_even_when_it_exits_last():
+    sup = supervisor(3)
+    feed(sup, ["##horolite-run## exit rank=0 host=h code=1 signal=0 stopped=0",
+               "[1]<stderr>:##horolite-run## stopped rank=1 by=2 text=rank 2 failed",
+               "[2]<stderr>:##horolite-run## cause rank=2 code=1 text=rank 2 (host h) failed: "
+               "RuntimeError: bad (t.py:5)",
+               "##horolite-run## exit rank=1 host=h code=1 signal=0 stopped=0",
+               "##horolite-run## exit rank=2 host=h code=1 signal=0 stopped=0"])
+    result = sup._result(1)
+    assert result.message == ("job failed: rank 2 (host h) failed: RuntimeError: bad (t.py:5); "
+                              "ranks stopped as a result: 0, 1")
+    assert result.exit_code == 1
+
+
+def test_a_rank_that_left_with_code_0_is_the_cause_and_the_job_fails():
+    sup = supervisor(2)
+    feed(sup, ["##horolite-run## start rank=1 host=h pid=7 pgid=7",
+               "[0]<stderr>:##horolite-run## stopped rank=0 by=1 text=rank 1 left",
+               "##horolite-run## exit rank=1 host=h code=0 signal=0 stopped=0",
+               "##horolite-run## exit rank=0 host=h code=1 signal=0 stopped=0"])
+    result = sup._result(1)
+    assert result.message == ("job failed: rank 1 (host h, pid 7) exited with code 0 while other "
+                              "ranks still ran collectives; ranks stopped as a result: 0")
+    assert result.exit_code == 1
+
+
+def test_a_stall_shutdown_is_one_message():
+    sup = supervisor(2)
+    feed(sup, ["[0]<stderr>:##horolite-run## stall rank=0 code=1 text=stall shutdown after "
+               "HOROLITE_STALL_SHUTDOWN_TIME_SECONDS=3: tensor 'g' waited 3.1 s"])
+    result = sup._result(1)
+    assert result.exit_code == 1 and result.message.startswith(
+        "job failed: stall shutdown after HOROLITE_STALL_SHUTDOWN_TIME_SECONDS=3: tensor 'g'")
+
+
+def test_a_sigterm_report_after_another_rank_failed_is_not_the_cause():
+    sup = supervisor(2)
+    feed(sup, ["##horolite-run## exit rank=1 host=h code=3 signal=0 stopped=0"])
+    sup.first_failure = sup.ranks[1]  # as the main loop records it
+    feed(sup, ["[0]<stderr>:##horolite-run## cause rank=0 code=143 text=rank 0 (host h) was "
+               "killed by signal 15 (SIGTERM)",
+               "##horolite-run## exit rank=0 host=h code=143 signal=15 stopped=1"])
+    result = sup._result(1)
+    assert result.exit_code == 3 and "rank 1 (host h" in result.message, result.message
+    assert "SIGTERM" not in result.message
