@@ -164,12 +164,13 @@ OPTIONAL_STOP = _optional(_w_pair, _r_pair)
 # Every field that crosses the wire, with its type. Response.cache_slot stays local.
 REQUEST_FIELDS = (
     ("name", STR), ("kind", KIND), ("dtype", STR), ("shape", INTS), ("op", INT), ("root", INT),
-    ("prescale", FLOAT), ("postscale", FLOAT), ("device", STR), ("group", SHAPES),
+    ("prescale", FLOAT), ("postscale", FLOAT), ("device", STR), ("group", SHAPES), ("quorum", INT),
 )
 RESPONSE_FIELDS = (
     ("kind", KIND), ("name", STR), ("dtype", STR), ("shape", INTS), ("op", INT), ("root", INT),
     ("prescale", FLOAT), ("postscale", FLOAT), ("device", STR), ("first_dims", OPTIONAL_INTS),
     ("joined", INTS), ("error", OPTIONAL_STR), ("error_type", STR), ("last_joined", INT),
+    ("contributors", INTS), ("present", INTS),
 )
 
 

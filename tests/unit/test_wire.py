@@ -13,11 +13,12 @@ REQUESTS = [
     Request("grad.0", Kind.ALLREDUCE, "float32", (3, 4)),
     Request("w/ünï", Kind.BROADCAST, "int64", (), op=1, root=2, prescale=0.5, postscale=-2.25,
             device="cuda"),
-    Request("g", Kind.ALLREDUCE, "float16", (10,), group=((2, 3), (4,), ())),
+    Request("g", Kind.ALLREDUCE, "float16", (10,), group=((2, 3), (4,), ()), quorum=3),
     Request("horolite.join", Kind.JOIN, "", ()),
 ]
 RESPONSES = [
     Response(Kind.ALLREDUCE, "grad.0", "float32", (3, 4), op=3, prescale=2.0, postscale=0.125),
+    Response(Kind.ALLREDUCE, "q", "float64", (2,), contributors=(0, 2, 3), present=(0, 1, 2, 3)),
     Response(Kind.ALLGATHER, "ag", "uint8", (5, 2), first_dims=(5, 0, 7), joined=(1,)),
     Response(Kind.BROADCAST, "b", error="tensor 'b': mismatched dtype: rank 0 had int8",
              error_type="invalid", root=1, device="cuda"),
