@@ -22,6 +22,7 @@ __all__ = ["LaunchConfig", "get_args_parser", "config_from_args", "tunable_env",
 
 _LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RANK_ENVIRONMENT = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH")
 RANKWRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rankwrap.py")
 
 
@@ -232,6 +233,11 @@ def config_from_args(args: argparse.Namespace,
         if name.startswith(("HOROLITE_", "HOROVOD_")) and name not in env and \
                 name not in ("HOROLITE_MPIRUN", "HOROLITE_START_TIMEOUT", "HOROVOD_START_TIMEOUT"):
             env[name] = None
+    # What a rank on another host needs to find the same Python, packages and libraries
+    # (Open MPI gives remote ranks only what is named; MPICH passes everything).
+    for name in RANK_ENVIRONMENT:
+        if name in environ:
+            env.setdefault(name, None)
     try:
         mpi_args = tuple(shlex.split(args.mpi_args or ""))
     except ValueError as e:

@@ -109,7 +109,10 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
         for name, value in set_env:
             cmd += ["-genv", name, value]
         if pass_env:
-            cmd += ["-genvlist", ",".join(pass_env)]
+            # Not -genvlist: with it hydra gives ranks on other hosts only the listed
+            # variables (no PATH, no VIRTUAL_ENV). Every variable of this environment
+            # travels, the -x ones included.
+            cmd += ["-genvall"]
         if config.network_interface:
             cmd += ["-iface", config.network_interface]
     elif impl == OPENMPI:

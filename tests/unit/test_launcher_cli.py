@@ -165,7 +165,7 @@ def test_mpich_command():
                     "--network-interface", "eth0", "--mpi-args=-verbose", "python", "t.py"],
                    mpi.MPICH, environ={"FOO": "1"})
     assert argv == ["mpirun", "-np", "4", "-hosts", "h1:2,h2:2",
-                    "-genv", "HOROLITE_FUSION_THRESHOLD", "33554432", "-genvlist", "FOO",
+                    "-genv", "HOROLITE_FUSION_THRESHOLD", "33554432", "-genvall",
                     "-iface", "eth0", "-verbose", *WRAP, "python", "t.py"]
 
 
@@ -177,6 +177,26 @@ def test_openmpi_command():
                     "--host", "h1:2,h2:2", "-x", "HOROLITE_FUSION_THRESHOLD=33554432", "-x", "FOO",
                     "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
                     "--display-map", *WRAP, "python", "t.py"]
+
+
+ENVIRON = {"PATH": "/venv/bin:/usr/bin", "VIRTUAL_ENV": "/venv", "PYTHONPATH": "/src",
+           "LD_LIBRARY_PATH": "/lib64", "HOROVOD_CYCLE_TIME": "2", "FOO": "1", "BAR": "x"}
+
+
+def test_mpich_never_narrows_the_environment():
+    # -genvlist would give ranks on other hosts only the listed variables: no PATH.
+    argv = command(["-np", "2", "-H", "h1,h2", "-x", "FOO", "-x", "BAR=y", "t"], mpi.MPICH,
+                   environ=ENVIRON)
+    assert "-genvlist" not in argv and "-genvnone" not in argv and "-genvall" in argv
+    assert argv[argv.index("-genv") + 1:argv.index("-genv") + 3] == ["BAR", "y"]
+
+
+def test_openmpi_names_what_remote_ranks_need():
+    argv = command(["-np", "2", "-H", "h1,h2", "-x", "FOO", "-x", "BAR=y", "t"], mpi.OPENMPI,
+                   environ=ENVIRON)
+    passed = {argv[i + 1] for i, a in enumerate(argv) if a == "-x"}
+    assert passed == {"PATH", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH",
+                      "HOROVOD_CYCLE_TIME", "FOO", "BAR=y"}
 
 
 @pytest.mark.parametrize("impl", [mpi.MPICH, mpi.OPENMPI])

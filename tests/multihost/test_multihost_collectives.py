@@ -1,0 +1,27 @@
+"""The collective matrix across simulated hosts (2x1, 2x2, 3x1 and 1/2/1), over ssh.
+
+The full matrix of variants runs on one host (tests/test_matrix_core.py); here
+each layout runs the same rank-side file once, so the ring crosses real
+network links and ranks on other hosts start through sshd.
+"""
+import os
+
+import pytest
+
+from conftest import ROOT, run_pytest_across
+
+LAYOUTS = {"2x1": "hl-a:1,hl-b:1", "2x2": "hl-a:2,hl-b:2", "3x1": "hl-a:1,hl-b:1,hl-c:1",
+           "1-2-1": "hl-a:1,hl-b:2,hl-c:1"}
+COLLECTIVES = os.path.join(ROOT, "tests", "parallel", "test_collectives.py")
+TOPOLOGY = os.path.join(ROOT, "tests", "multihost", "ranks", "topology.py")
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_collectives_across_hosts(bed, no_leftovers, layout):
+    run_pytest_across(bed, LAYOUTS[layout], COLLECTIVES)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_topology_across_hosts(bed, layout):
+    run_pytest_across(bed, LAYOUTS[layout], TOPOLOGY,
+                      env={"HOROLITE_TEST_LAYOUT": LAYOUTS[layout]})
