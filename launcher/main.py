@@ -16,6 +16,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 from . import hosts as hostlib
 from . import mpi
+from . import ssh_check
 from .version import horolite_version
 
 __all__ = ["LaunchConfig", "get_args_parser", "config_from_args", "tunable_env", "main"]
@@ -281,6 +282,7 @@ def main(args: Optional[Sequence[str]] = None) -> int:
         config = config_from_args(parsed)
         _check_command(config)
         hostlib.check_resolvable(config.hosts)
+        ssh_check.check_reachable(config)
         install = mpi.find_mpi()
     except (ValueError, mpi.NoMPIError) as e:
         return _error(str(e))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,9 @@ from .rankwrap import MARKER
 __all__ = ["RankStatus", "JobResult", "Supervisor", "parse_marker", "describe_exit"]
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# hydra's own error stack (``[mpiexec@host] HYDU_sock_write ... Bad file descriptor``...) when
+# it is told to stop ranks whose host connection is already gone: noise once a rank has failed.
+_HYDRA_LINE = re.compile(rb"^\[(mpiexec|proxy:[^\]@]*)@[^\]]*\] ")
 
 
 @dataclasses.dataclass
@@ -71,7 +75,9 @@ def _signame(num: int) -> str:
 
 
 def describe_exit(status: RankStatus) -> str:
-    where = f"rank {status.rank}" + (f" (host {status.host}, pid {status.pid})" if status.host else "")
+    # The pid of the rank's command (its process group leader), not of the wrapper around it.
+    pid = status.pgid or status.pid
+    where = f"rank {status.rank}" + (f" (host {status.host}, pid {pid})" if status.host else "")
     if status.signal:
         return f"{where} was killed by signal {status.signal} ({_signame(status.signal)})"
     return f"{where} exited with code {status.code}"
@@ -137,6 +143,7 @@ class Supervisor:
         self.interrupted: Optional[int] = None
         self.timed_out = False
         self._signals: List[int] = []
+        self._stopping = threading.Event()  # set as soon as a failure or a signal is seen
         self._log = log or (lambda msg: print(f"horolite-run: {msg}", file=sys.stderr, flush=True))
 
     # --- output relay (reader threads) ---
@@ -145,8 +152,12 @@ class Supervisor:
             if parse and raw.startswith(MARKER.encode()):
                 parsed = parse_marker(raw.decode(errors="replace"))
                 if parsed:
+                    if parsed[0] == "exit" and self._failed(parsed[1]):
+                        self._stopping.set()
                     self.events.put(parsed)
                     continue
+            if parse and self._stopping.is_set() and _HYDRA_LINE.match(raw):
+                continue
             try:
                 out.write(raw)
                 out.flush()
@@ -156,6 +167,7 @@ class Supervisor:
 
     def _on_signal(self, signum, frame):
         self._signals.append(signum)
+        self._stopping.set()
         self.events.put(("signal", {}))
 
     # --- main loop ---
@@ -222,6 +234,7 @@ class Supervisor:
             if not self.timed_out and now >= start_deadline and \
                     not all(r.started for r in self.ranks.values()):
                 self.timed_out = True
+                self._stopping.set()
                 self._log(self._start_timeout_message())
                 self._send(signal.SIGTERM)
                 kill_at = now + self.kill_grace

@@ -297,6 +297,9 @@ def test_marker_parsing_and_messages():
     assert supervise.describe_exit(s) == "rank 2 (host h, pid 7) was killed by signal 9 (SIGKILL)"
     s = supervise.RankStatus(rank=1, host="h", pid=7, code=3)
     assert supervise.describe_exit(s) == "rank 1 (host h, pid 7) exited with code 3"
+    # The command's pid (its process group), not the rank wrapper's.
+    s = supervise.RankStatus(rank=1, host="h", pid=7, pgid=8, code=3)
+    assert supervise.describe_exit(s) == "rank 1 (host h, pid 8) exited with code 3"
 
 
 def test_output_prefixing():
