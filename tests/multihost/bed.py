@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 import subprocess
 import tempfile
 import time
@@ -274,3 +275,26 @@ def _kill(process: subprocess.Popen) -> None:
     if process.poll() is None:
         process.send_signal(signal.SIGKILL)
     process.wait()
+
+
+def main(argv=None) -> int:
+    """``python tests/multihost/bed.py [--hosts N] [--shape 1gbit] [-- COMMAND]``: COMMAND
+    (default: an interactive shell) on hl-a, with the other hosts reachable; then tear down."""
+    import argparse
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--shape", metavar="RATE", help="cap every link, e.g. 1gbit (tc tbf)")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    with Bed(args.hosts) as bed:
+        if args.shape:
+            bed.shape(args.shape)
+        names = ", ".join(f"{h.name} ({h.address})" for h in bed.hosts)
+        print(f"bed: {names}; running on {bed.hosts[0].name}", file=sys.stderr, flush=True)
+        return subprocess.call(bed.hosts[0].nsenter() + ["--wd=" + os.getcwd(),
+                                                         *(command or [os.environ.get("SHELL", "sh")])])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
