@@ -29,6 +29,7 @@ from .tensor_queue import Entry, TensorQueue
 from .timeline import open_timeline
 from .transport.mpi import MPITransport, oversubscribed
 from .transport.shared_memory import open_shared_memory
+from .transport.hierarchical import open_hierarchical
 from .transport.nccl import create_nccl_transport
 
 __all__ = ["Runtime", "Topology"]
@@ -78,6 +79,9 @@ class Runtime:
         shared = open_shared_memory(comm, polite, cfg.stall_check_time_seconds,
                                     enabled=cfg.shared_memory)
         self.transport = MPITransport(comm, polite=polite, shared_memory=shared)
+        (self.transport.hierarchical_allreduce,
+         self.transport.hierarchical_allgather) = open_hierarchical(
+            comm, self.transport.waiter, cfg.hierarchical_allreduce, cfg.hierarchical_allgather)
         self.queue = TensorQueue()
         self.cache = ResponseCache(cfg.cache_capacity)
         self.timeline = open_timeline(cfg.timeline, self.rank)

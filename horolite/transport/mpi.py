@@ -110,6 +110,10 @@ class MPITransport:
         self.ring = Ring(self.link)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # transport.hierarchical.Hierarchical objects, set by the runtime where ranks share
+        # hosts across several hosts; None: the flat ring.
+        self.hierarchical_allreduce = None
+        self.hierarchical_allgather = None
 
     # ---- control plane (small, host-side) ----
     def control_or(self, vector: np.ndarray, out: np.ndarray) -> None:
@@ -127,6 +131,8 @@ class MPITransport:
         """`what` names the tensors in a stall report, e.g. "tensor 'w'"."""
         if self.shared_memory is not None and buf.size:
             self.shared_memory.allreduce(buf, buf, op, postscale, what)
+        elif self.hierarchical_allreduce is not None:
+            self.hierarchical_allreduce.allreduce(buf, op, postscale)
         else:
             self.ring.allreduce(buf, op, postscale)
 
@@ -134,6 +140,8 @@ class MPITransport:
                        what: str = "") -> None:
         if self.shared_memory is not None and src.size:
             self.shared_memory.allreduce(src, dst, op, postscale, what)
+        elif self.hierarchical_allreduce is not None:
+            self.hierarchical_allreduce.allreduce_from(src, dst, op, postscale)
         else:
             self.ring.allreduce_from(src, dst, op, postscale)
 
@@ -142,7 +150,10 @@ class MPITransport:
 
     def allgather(self, buf: np.ndarray, bounds: List[int]) -> None:
         """buf is bytes; this rank's part already sits at bounds[rank]."""
-        self.ring.allgather(buf, bounds)
+        if self.hierarchical_allgather is not None:
+            self.hierarchical_allgather.allgather(buf, bounds)
+        else:
+            self.ring.allgather(buf, bounds)
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         if self.size > 1 and buf.nbytes:
@@ -170,6 +181,10 @@ class MPITransport:
         if self.shared_memory is not None:
             self.shared_memory.close()
             self.shared_memory = None
+        for hier in {id(h): h for h in (self.hierarchical_allreduce, self.hierarchical_allgather)
+                     if h is not None}.values():
+            hier.close()
+        self.hierarchical_allreduce = self.hierarchical_allgather = None
         for comm in (self.data_comm, self.control_comm):
             try:
                 comm.Free()

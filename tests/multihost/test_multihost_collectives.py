@@ -16,12 +16,15 @@ COLLECTIVES = os.path.join(ROOT, "tests", "parallel", "test_collectives.py")
 TOPOLOGY = os.path.join(ROOT, "tests", "multihost", "ranks", "topology.py")
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_collectives_across_hosts(bed, no_leftovers, layout):
-    run_pytest_across(bed, LAYOUTS[layout], COLLECTIVES)
+# 2x2 takes the hierarchical path by default (transport/hierarchical.py): run it forced
+# off too. Forced on where the layout does not allow it, the flat ring serves.
+CASES = [("2x1", {}), ("2x2", {}), ("2x2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "0",
+                                            "HOROLITE_HIERARCHICAL_ALLGATHER": "0"}),
+         ("3x1", {}), ("1-2-1", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"})]
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_topology_across_hosts(bed, layout):
-    run_pytest_across(bed, LAYOUTS[layout], TOPOLOGY,
-                      env={"HOROLITE_TEST_LAYOUT": LAYOUTS[layout]})
+@pytest.mark.parametrize("layout, env", CASES, ids=lambda c: c if isinstance(c, str) else
+                         ",".join(f"{k}={v}" for k, v in c.items()) or "auto")
+def test_collectives_and_topology_across_hosts(bed, no_leftovers, layout, env):
+    run_pytest_across(bed, LAYOUTS[layout], COLLECTIVES, pytest_args=[TOPOLOGY],
+                      env=dict(env, HOROLITE_TEST_LAYOUT=LAYOUTS[layout]))

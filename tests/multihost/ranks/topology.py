@@ -5,6 +5,7 @@ import socket
 import numpy as np
 
 import horolite as hvd
+from horolite.config import env_value
 
 hvd.init()
 
@@ -32,3 +33,15 @@ def test_topology_matches_layout():
 def test_a_collective_spans_every_host():
     sums = hvd.allreduce(np.full(3, hvd.rank(), dtype=np.int64), op=hvd.Sum, name="ranks")
     assert sums.tolist() == [sum(range(hvd.size()))] * 3
+
+
+def test_hierarchical_path_where_the_layout_allows():
+    hosts = layout()
+    per_host = {n for _, n in hosts}
+    allowed = len(hosts) > 1 and len(per_host) == 1 and per_host.pop() > 1
+    from horolite.basics import runtime
+    transport = runtime().transport
+    for kind in ("ALLREDUCE", "ALLGATHER"):
+        forced_off = env_value(f"HIERARCHICAL_{kind}") == "0"
+        used = getattr(transport, f"hierarchical_{kind.lower()}") is not None
+        assert used == (allowed and not forced_off), kind
