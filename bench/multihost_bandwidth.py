@@ -7,8 +7,8 @@ host's link at --rate with tc tbf, and launches itself on them with
 
 - 2 hosts x 1 rank: horolite.allreduce and MPI_Allreduce (mpi4py) on the same
   float32 buffer, in alternating blocks, medians of the slowest rank's time;
-- 2 hosts x 2 ranks: the same, plus horolite's flat ring (the hierarchical path
-  switched off between blocks).
+- 2 hosts x 2 ranks: the same with HOROLITE_HIERARCHICAL_ALLREDUCE=1, plus
+  horolite's flat ring (the hierarchical path switched off between blocks).
 
 It prints, per size, each time, the ratios, and the fraction of the link rate:
 the bytes that must cross each host's link (2(h-1)/h of the buffer for h hosts)
@@ -89,7 +89,9 @@ def run_layout(bed, layout: str, sizes, args) -> dict:
             "--sizes", ",".join(map(str, sizes)), "--blocks", str(args.blocks),
             "--min-iters", str(args.min_iters), "--max-iters", str(args.max_iters),
             "--budget-mib", str(args.budget_mib)]
-    proc = bed.run(argv, timeout=3600)
+    # The hierarchical path where the layout allows it (the flat ring is measured beside it).
+    proc = bed.run(argv, timeout=3600, env={"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"}
+                   if layout != "2x1" else None)
     for line in proc.stdout.splitlines():
         if "RESULT " in line:
             return json.loads(line.split("RESULT ", 1)[1])

@@ -34,8 +34,8 @@ VARIABLES = {
     "AUTOTUNE": ("0", "1 tunes fusion threshold and cycle time online."),
     "AUTOTUNE_LOG": ("", "CSV file where autotune writes its samples."),
     "AUTOTUNE_START": ("", "Where autotune starts, e.g. cycle_time_ms=50 (not held fixed)."),
-    "HIERARCHICAL_ALLREDUCE": ("", "1/0 forces the allreduce through each host first (reduce in the host, one share per rank across hosts, spread in the host) on or off; unset: on when hosts hold equal numbers of ranks, more than one each."),
-    "HIERARCHICAL_ALLGATHER": ("", "1/0 forces the allgather through each host first on or off; unset: as for the allreduce."),
+    "HIERARCHICAL_ALLREDUCE": ("0", "1 sends allreduces through each host first (reduce in the host, one part per rank across hosts, spread in the host) where hosts hold equal blocks of several ranks."),
+    "HIERARCHICAL_ALLGATHER": ("0", "1 sends allgathers through each host first, as for the allreduce."),
 }
 
 
@@ -84,8 +84,8 @@ class Config:
     autotune: bool = False
     autotune_log: str = ""
     autotune_start: str = ""
-    hierarchical_allreduce: Optional[bool] = None  # None: automatic
-    hierarchical_allgather: Optional[bool] = None
+    hierarchical_allreduce: bool = False
+    hierarchical_allgather: bool = False
     # Names of the fields the user set explicitly (autotune holds them fixed).
     explicit: frozenset = frozenset()
 

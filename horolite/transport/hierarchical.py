@@ -14,11 +14,16 @@ host exchanges the host's rows with the others, and the host broadcasts the
 whole. It needs every host to hold the same number of ranks, laid out in
 blocks (ranks 0..k-1 on the first host...), which is what both MPIs' default
 mapping gives; otherwise the flat ring is used.
+
+Off unless asked for (HOROLITE_HIERARCHICAL_ALLREDUCE=1, as in Horovod): on the
+simulated hosts of bench/multihost_bandwidth.py it measured 0.92-0.99x the
+speed of the flat ring (docs/benchmarks.md), since its three phases run one
+after the other where the flat ring overlaps its in-host and cross-host hops.
 """
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -95,19 +100,17 @@ def _layout(comm: MPI.Comm, local: MPI.Comm) -> Optional[str]:
     return None
 
 
-def open_hierarchical(comm: MPI.Comm, waiter, allreduce: Optional[bool],
-                      allgather: Optional[bool]):
+def open_hierarchical(comm: MPI.Comm, waiter, allreduce: bool, allgather: bool):
     """(Hierarchical or None for allreduce, the same for allgather). Collective.
 
-    A setting of None is automatic: on wherever the layout allows (more than one
-    host, several ranks on each, the same number everywhere). True where the
-    layout does not allow it is logged and ignored."""
-    if allreduce is False and allgather is False:
+    Asked for where the layout does not allow it (one host, one rank per host,
+    hosts of different sizes), it is logged and the flat ring serves."""
+    if not allreduce and not allgather:
         return None, None
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     why = _layout(comm, local)
     if why is not None:
-        if allreduce or allgather:
+        if comm.Get_rank() == 0:
             _log.warning("rank %d: hierarchical collectives asked for but not used: %s",
                          comm.Get_rank(), why)
         local.Free()
@@ -115,6 +118,6 @@ def open_hierarchical(comm: MPI.Comm, waiter, allreduce: Optional[bool],
     cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
     hier = Hierarchical(local, cross, waiter)
     _log.info("rank %d: hierarchical allreduce %s, allgather %s (%d hosts x %d ranks)",
-              comm.Get_rank(), "on" if allreduce is not False else "off",
-              "on" if allgather is not False else "off", hier.cross_size, hier.local_size)
-    return (hier if allreduce is not False else None), (hier if allgather is not False else None)
+              comm.Get_rank(), "on" if allreduce else "off", "on" if allgather else "off",
+              hier.cross_size, hier.local_size)
+    return (hier if allreduce else None), (hier if allgather else None)

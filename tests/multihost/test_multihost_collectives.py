@@ -16,10 +16,10 @@ COLLECTIVES = os.path.join(ROOT, "tests", "parallel", "test_collectives.py")
 TOPOLOGY = os.path.join(ROOT, "tests", "multihost", "ranks", "topology.py")
 
 
-# 2x2 takes the hierarchical path by default (transport/hierarchical.py): run it forced
-# off too. Forced on where the layout does not allow it, the flat ring serves.
-CASES = [("2x1", {}), ("2x2", {}), ("2x2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "0",
-                                            "HOROLITE_HIERARCHICAL_ALLGATHER": "0"}),
+# 2x2 with the hierarchical path (transport/hierarchical.py) off (the default) and on.
+# Asked for where the layout does not allow it (1/2/1), the flat ring serves.
+CASES = [("2x1", {}), ("2x2", {}), ("2x2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+                                            "HOROLITE_HIERARCHICAL_ALLGATHER": "1"}),
          ("3x1", {}), ("1-2-1", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"})]
 
 
