@@ -172,7 +172,8 @@ def main(argv=None) -> int:
         if args.rate != "none":
             bed.shape(args.rate)
         for layout in args.layouts.split(","):
-            sizes = args.sizes if layout == "2x1" else [s for s in args.sizes if s >= 16 * MiB]
+            sizes = args.sizes if layout == "2x1" else ([s for s in args.sizes if s >= 16 * MiB]
+                                                        or args.sizes)
             results[layout] = run_layout(bed, layout, sizes, args)
     rate = _rate_bytes(args.rate) if args.rate != "none" else float("nan")
     rep = report(results, rate, args)
