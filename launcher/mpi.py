@@ -123,6 +123,10 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
         cmd += ["--oversubscribe"]
         if config.hosts:
             cmd += ["--host", ",".join(f"{h}:{n}" for h, n in config.hosts)]
+            # With --oversubscribe, Open MPI 5's default mapping (by core) puts every rank on
+            # the first host while it has cores; fill each host's slots in order instead.
+            if not any(a in ("--map-by", "-map-by") for a in config.mpi_args):
+                cmd += ["--map-by", "slot"]
         for name, value in set_env:
             cmd += ["-x", f"{name}={value}"]
         for name in pass_env:

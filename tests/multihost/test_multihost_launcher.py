@@ -40,7 +40,13 @@ def test_every_rank_on_every_host_has_the_launchers_environment(bed, no_leftover
     for rank, mark in found.items():
         assert mark["host"] == HOSTS[rank]
         assert mark["allreduce"] == 3
-        assert mark["paths"] == want_paths, f"rank {rank} on {mark['host']}"
+        for name, want in want_paths.items():
+            got = mark["paths"][name]
+            if name in ("PATH", "LD_LIBRARY_PATH") and want and got:
+                # Open MPI puts its own directory in front: the launcher's must follow.
+                assert got.endswith(want), f"rank {rank} on {mark['host']}: {name}={got}"
+            else:
+                assert got == want, f"rank {rank} on {mark['host']}: {name}={got}"
         assert mark["executable"] == os.path.join(os.path.dirname(sys.executable), "python")
         assert {k: mark["env"].get(k) for k in ("PROBE_PASSED", "PROBE_SET", "HOROLITE_CYCLE_TIME",
                                                 "HOROVOD_CACHE_CAPACITY")} == {
@@ -52,15 +58,16 @@ def test_every_rank_on_every_host_has_the_launchers_environment(bed, no_leftover
 
 
 def test_kill_9_of_a_remote_rank_ends_the_job_naming_rank_host_and_pid(bed, no_leftovers, tmp_path):
-    start = time.monotonic()
     r = launch(bed, THREE, ["python", PROBE, str(tmp_path), "--fail-rank", "1", "--fail-how", "kill",
                             "--sleep", "120"], timeout=120)
-    elapsed = time.monotonic() - start
+    ended = time.time()
     killed = marks(tmp_path)[1]
+    # The rank kills itself 0.3 s after writing its mark.
+    after_kill = ended - os.path.getmtime(tmp_path / "1.json") - 0.3
     assert r.returncode == 128 + signal.SIGKILL, r.stderr
     # The pid of the process that died (as hl-b numbers it), not its wrapper's.
     assert f"rank 1 (host hl-b, pid {killed['pid']}) was killed by signal 9 (SIGKILL)" in r.stderr
-    assert elapsed < 10 + 5, f"{elapsed:.1f}s"  # 10 s from the kill, plus the job's start
+    assert after_kill < 10, f"the job ended {after_kill:.1f}s after the kill"
     assert "HYDU_sock_write" not in r.stderr + r.stdout
 
 

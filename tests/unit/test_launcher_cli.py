@@ -177,7 +177,8 @@ def test_openmpi_command():
                     "--network-interface", "eth0", "--mpi-args=--display-map", "python", "t.py"],
                    mpi.OPENMPI, environ={"FOO": "1"}, as_root=True)
     assert argv == ["mpirun", "-np", "4", "--allow-run-as-root", "--oversubscribe",
-                    "--host", "h1:2,h2:2", "-x", "HOROLITE_FUSION_THRESHOLD=33554432", "-x", "FOO",
+                    "--host", "h1:2,h2:2", "--map-by", "slot",
+                    "-x", "HOROLITE_FUSION_THRESHOLD=33554432", "-x", "FOO",
                     "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
                     "--display-map", *WRAP, "python", "t.py"]
 
