@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import ROOT, run_pytest_across
+from jobs import ROOT, run_pytest_across
 
 LAYOUTS = {"2x1": "hl-a:1,hl-b:1", "2x2": "hl-a:2,hl-b:2", "3x1": "hl-a:1,hl-b:1,hl-c:1",
            "1-2-1": "hl-a:1,hl-b:2,hl-c:1"}

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import HOROLITE_RUN, ROOT
+from jobs import HOROLITE_RUN, ROOT
 
 STEADY = os.path.join(ROOT, "tests", "multihost", "ranks", "steady_allreduce.py")
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, launch
+from jobs import ROOT, launch
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "launcher"))
 from launcher_util import PROBE, marks, wait_for_marks  # noqa: E402

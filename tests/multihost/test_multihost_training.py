@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import ROOT, run_pytest_across
+from jobs import ROOT, run_pytest_across
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                                 reason="TensorFlow is not installed")

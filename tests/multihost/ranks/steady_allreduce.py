@@ -21,13 +21,15 @@ while True:
     if not np.all(got == want):
         sys.exit(f"step {step}: got {got[:3]} (and others), want {want}")
     step += 1
-    longest = max(longest, time.time() - t0) if step > 1 else 0.0
     if deadline is None:
         deadline = time.time() + seconds
         if hvd.rank() == 0:
             open(ready, "w").close()
     # Every rank stops at the same step: the decision is reduced too.
-    if hvd.allreduce(np.array([time.time() < deadline], dtype=np.int32), op=hvd.Min, name="go")[0] == 0:
+    go = hvd.allreduce(np.array([time.time() < deadline], dtype=np.int32), op=hvd.Min, name="go")
+    if step > 1:
+        longest = max(longest, time.time() - t0)
+    if go[0] == 0:
         break
     time.sleep(0.01)
 print(f"rank {hvd.rank()}: {step} steps checked, longest {longest:.1f} s", flush=True)
