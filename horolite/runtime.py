@@ -33,6 +33,7 @@ from .tensor_queue import Entry, TensorQueue
 from .timeline import open_timeline
 from .transport.mpi import MPITransport, oversubscribed
 from .transport.shared_memory import open_shared_memory
+from .transport.hierarchical import open_hierarchical
 from .transport.nccl import create_nccl_transport
 
 __all__ = ["Runtime", "Topology"]
@@ -91,6 +92,9 @@ class Runtime(JobEnd):
         self.doomed: Optional[BaseException] = None  # set when this process must end
         self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
                                       watch=self.watch, channel=self.failures)
+        (self.transport.hierarchical_allreduce,
+         self.transport.hierarchical_allgather) = open_hierarchical(
+            comm, self.transport.waiter, cfg.hierarchical_allreduce, cfg.hierarchical_allgather)
         self.queue = TensorQueue()
         self.cache = ResponseCache(cfg.cache_capacity)
         self.timeline = open_timeline(cfg.timeline, self.rank)

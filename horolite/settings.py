@@ -90,16 +90,17 @@ SETTINGS: Tuple[Setting, ...] = (
             yaml="params.fusion_threshold_mb"),
     Setting("CACHE_CAPACITY", int, 1024, "response-cache entries; `0` disables the cache",
             "cache_capacity", "--cache-capacity", yaml="params.cache_capacity"),
-    Setting("HIERARCHICAL_ALLREDUCE", "tristate", None,
-            "allreduce within each host, then across hosts, then within each host again; unset: "
-            "chosen automatically, `1` forces it, `0` forbids it",
+    Setting("HIERARCHICAL_ALLREDUCE", bool, False,
+            "`1`: allreduce within each host, then across hosts (one part per local rank), then "
+            "within each host again, where several hosts hold equal blocks of several ranks "
+            "(see docs/multihost.md); off by default, as in Horovod",
             "hierarchical_allreduce", "--hierarchical-allreduce", "--no-hierarchical-allreduce",
-            yaml="params.hierarchical_allreduce", acted_on=False),
-    Setting("HIERARCHICAL_ALLGATHER", "tristate", None,
-            "allgather within each host, then across hosts; unset: chosen automatically, `1` "
-            "forces it, `0` forbids it",
+            yaml="params.hierarchical_allreduce"),
+    Setting("HIERARCHICAL_ALLGATHER", bool, False,
+            "`1`: allgather within each host, then across hosts, then within each host; off by "
+            "default, as in Horovod",
             "hierarchical_allgather", "--hierarchical-allgather", "--no-hierarchical-allgather",
-            yaml="params.hierarchical_allgather", acted_on=False),
+            yaml="params.hierarchical_allgather"),
     Setting("STALL_CHECK_DISABLE", bool, False, "`1` turns the stall inspector off",
             "stall_check_disable", "--no-stall-check", "--stall-check",
             yaml="stall_check.!enabled"),

@@ -18,7 +18,7 @@ from horolite import settings
 
 from . import flags
 from . import hosts as hostlib
-from . import mpi, sources
+from . import mpi, sources, ssh_check
 from .rank_source import SSH
 from .version import horolite_version
 
@@ -26,6 +26,7 @@ __all__ = ["LaunchConfig", "get_args_parser", "parse_args", "config_from_args", 
            "main"]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+RANK_ENVIRONMENT = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH")
 RANKWRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rankwrap.py")
 
 
@@ -195,6 +196,11 @@ def config_from_args(args: argparse.Namespace,
     for name in sorted(environ):
         if name.startswith(settings.PREFIXES) and name not in env and name not in launcher_only:
             env[name] = None
+    # What a rank on another host needs to find the same Python, packages and libraries
+    # (Open MPI gives remote ranks only what is named; MPICH passes everything).
+    for name in RANK_ENVIRONMENT:
+        if name in environ:
+            env.setdefault(name, None)
     mpi_args, binding_args = (_split(flag, getattr(args, flag[2:].replace("-", "_")) or "")
                               for flag in ("--mpi-args", "--binding-args"))
     output = os.path.abspath(args.output_filename) if args.output_filename else None
@@ -253,6 +259,7 @@ def main(args: Optional[Sequence[str]] = None) -> int:
         _check_command(config)
         if config.start == SSH:  # Slurm's node names are for srun; mpirun never resolves them
             hostlib.check_resolvable(config.hosts)
+            ssh_check.check_reachable(config)
         install = mpi.find_mpi()
     except (ValueError, mpi.NoMPIError) as e:
         return _error(str(e))

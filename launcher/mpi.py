@@ -128,7 +128,10 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
         for name, value in set_env:
             cmd += ["-genv", name, value]
         if pass_env:
-            cmd += ["-genvlist", ",".join(pass_env)]
+            # Not -genvlist: with it hydra gives ranks on other hosts only the listed
+            # variables (no PATH, no VIRTUAL_ENV). Every variable of this environment
+            # travels, the -x ones included.
+            cmd += ["-genvall"]
         if config.network_interface:
             cmd += ["-iface", config.network_interface]
         if config.ssh_args:
@@ -144,6 +147,10 @@ def build_mpirun_command(config, impl: str, mpirun: str = "mpirun", *, as_root: 
             cmd += ["--prtemca", "plm", "slurm"]
         if hosts:
             cmd += ["--host", ",".join(f"{h}:{n}" for h, n in hosts)]
+            # With --oversubscribe, Open MPI 5's default mapping (by core) puts every rank on
+            # the first host while it has cores; fill each host's slots in order instead.
+            if not any(a in ("--map-by", "-map-by") for a in config.mpi_args):
+                cmd += ["--map-by", "slot"]
         for name, value in set_env:
             cmd += ["-x", f"{name}={value}"]
         for name in pass_env:

@@ -35,6 +35,9 @@ __all__ = ["RankStatus", "JobResult", "Supervisor", "parse_marker", "describe_ex
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _RUNTIME_MARKERS = ("cause", "stopped", "stall")
+# hydra's own error stack (``[mpiexec@host] HYDU_sock_write ... Bad file descriptor``...) when
+# it is told to stop ranks whose host connection is already gone: noise once a rank has failed.
+_HYDRA_LINE = re.compile(rb"^\[(mpiexec|proxy:[^\]@]*)@[^\]]*\] ")
 
 
 @dataclasses.dataclass
@@ -92,7 +95,9 @@ def _signame(num: int) -> str:
 
 
 def describe_exit(status: RankStatus) -> str:
-    where = f"rank {status.rank}" + (f" (host {status.host}, pid {status.pid})" if status.host else "")
+    # The pid of the rank's command (its process group leader), not of the wrapper around it.
+    pid = status.pgid or status.pid
+    where = f"rank {status.rank}" + (f" (host {status.host}, pid {pid})" if status.host else "")
     if status.signal:
         return f"{where} was killed by signal {status.signal} ({_signame(status.signal)})"
     return f"{where} exited with code {status.code}"
@@ -166,6 +171,7 @@ class Supervisor:
         self.interrupted: Optional[int] = None
         self.timed_out = False
         self._signals: List[int] = []
+        self._stopping = threading.Event()  # set as soon as a failure or a signal is seen
         self._log = log or (lambda msg: print(f"horolite-run: {msg}", file=sys.stderr, flush=True))
 
     # --- output relay (reader threads) ---
@@ -175,8 +181,12 @@ class Supervisor:
             if marker is not None:
                 parsed = parse_marker(marker.decode(errors="replace"))
                 if parsed:
+                    if parsed[0] == "exit" and self._failed(parsed[1]):
+                        self._stopping.set()
                     self.events.put(parsed)
                     continue
+            if parse and self._stopping.is_set() and _HYDRA_LINE.match(raw):
+                continue
             try:
                 out.write(raw)
                 out.flush()
@@ -186,6 +196,7 @@ class Supervisor:
 
     def _on_signal(self, signum, frame):
         self._signals.append(signum)
+        self._stopping.set()
         self.events.put(("signal", {}))
 
     # --- main loop ---
@@ -256,6 +267,7 @@ class Supervisor:
             if not self.timed_out and now >= start_deadline and \
                     not all(r.started for r in self.ranks.values()):
                 self.timed_out = True
+                self._stopping.set()
                 self._log(self._start_timeout_message())
                 self._send(signal.SIGTERM)
                 kill_at = now + self.kill_grace

@@ -143,6 +143,10 @@ class MPITransport:
         self.ring = Ring(self.link)
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        # transport.hierarchical.Hierarchical objects, set by the runtime where ranks share
+        # hosts across several hosts; None: the flat ring.
+        self.hierarchical_allreduce = None
+        self.hierarchical_allgather = None
 
     def doing(self, what: str) -> None:
         """Name the work the next waits are for, in stall reports (collective_watch.py)."""
@@ -194,6 +198,8 @@ class MPITransport:
         """`what` names the tensors in a stall report, e.g. "tensor 'w'"."""
         if self.shared_memory is not None and buf.size:
             self.shared_memory.allreduce(buf, buf, op, postscale, what, self.waiter.watch)
+        elif self.hierarchical_allreduce is not None:
+            self.hierarchical_allreduce.allreduce(buf, op, postscale)
         else:
             self.ring.allreduce(buf, op, postscale)
 
@@ -201,6 +207,8 @@ class MPITransport:
                        what: str = "") -> None:
         if self.shared_memory is not None and src.size:
             self.shared_memory.allreduce(src, dst, op, postscale, what, self.waiter.watch)
+        elif self.hierarchical_allreduce is not None:
+            self.hierarchical_allreduce.allreduce_from(src, dst, op, postscale)
         else:
             self.ring.allreduce_from(src, dst, op, postscale)
 
@@ -209,7 +217,10 @@ class MPITransport:
 
     def allgather(self, buf: np.ndarray, bounds: List[int]) -> None:
         """buf is bytes; this rank's part already sits at bounds[rank]."""
-        self.ring.allgather(buf, bounds)
+        if self.hierarchical_allgather is not None:
+            self.hierarchical_allgather.allgather(buf, bounds)
+        else:
+            self.ring.allgather(buf, bounds)
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         if self.size > 1 and buf.nbytes:
@@ -237,6 +248,10 @@ class MPITransport:
         if self.shared_memory is not None:
             self.shared_memory.close()
             self.shared_memory = None
+        for hier in {id(h): h for h in (self.hierarchical_allreduce, self.hierarchical_allgather)
+                     if h is not None}.values():
+            hier.close()
+        self.hierarchical_allreduce = self.hierarchical_allgather = None
         for comm in (self.data_comm, self.control_comm):
             try:
                 comm.Free()

@@ -41,6 +41,10 @@ def main():
         "host": socket.gethostname(),
         "env": {k: v for k, v in os.environ.items()
                 if k.startswith(("HOROLITE_", "HOROVOD_", "PROBE_"))},
+        # What finding the same Python and libraries on another host depends on.
+        "paths": {k: os.environ.get(k) for k in ("PATH", "VIRTUAL_ENV", "PYTHONPATH",
+                                                 "LD_LIBRARY_PATH")},
+        "executable": sys.executable,
     }
     tmp = os.path.join(args.outdir, f".{rank}.tmp")
     with open(tmp, "w") as f:

@@ -303,7 +303,7 @@ def test_mpich_command():
                     "--network-interface", "eth0", "--mpi-args=-verbose", "python", "t.py"],
                    mpi.MPICH, environ={"FOO": "1"})
     assert argv == ["mpirun", "-np", "4", "-hosts", "h1:2,h2:2",
-                    "-genv", "HOROLITE_FUSION_THRESHOLD", "33554432", "-genvlist", "FOO",
+                    "-genv", "HOROLITE_FUSION_THRESHOLD", "33554432", "-genvall",
                     "-iface", "eth0", "-verbose", *WRAP, "python", "t.py"]
 
 
@@ -312,9 +312,30 @@ def test_openmpi_command():
                     "--network-interface", "eth0", "--mpi-args=--display-map", "python", "t.py"],
                    mpi.OPENMPI, environ={"FOO": "1"}, as_root=True)
     assert argv == ["mpirun", "-np", "4", "--allow-run-as-root", "--oversubscribe",
-                    "--host", "h1:2,h2:2", "-x", "HOROLITE_FUSION_THRESHOLD=33554432", "-x", "FOO",
+                    "--host", "h1:2,h2:2", "--map-by", "slot",
+                    "-x", "HOROLITE_FUSION_THRESHOLD=33554432", "-x", "FOO",
                     "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
                     "--display-map", *WRAP, "python", "t.py"]
+
+
+ENVIRON = {"PATH": "/venv/bin:/usr/bin", "VIRTUAL_ENV": "/venv", "PYTHONPATH": "/src",
+           "LD_LIBRARY_PATH": "/lib64", "HOROVOD_CYCLE_TIME": "2", "FOO": "1", "BAR": "x"}
+
+
+def test_mpich_never_narrows_the_environment():
+    # -genvlist would give ranks on other hosts only the listed variables: no PATH.
+    argv = command(["-np", "2", "-H", "h1,h2", "-x", "FOO", "-x", "BAR=y", "t"], mpi.MPICH,
+                   environ=ENVIRON)
+    assert "-genvlist" not in argv and "-genvnone" not in argv and "-genvall" in argv
+    assert argv[argv.index("-genv") + 1:argv.index("-genv") + 3] == ["BAR", "y"]
+
+
+def test_openmpi_names_what_remote_ranks_need():
+    argv = command(["-np", "2", "-H", "h1,h2", "-x", "FOO", "-x", "BAR=y", "t"], mpi.OPENMPI,
+                   environ=ENVIRON)
+    passed = {argv[i + 1] for i, a in enumerate(argv) if a == "-x"}
+    assert passed == {"PATH", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH",
+                      "HOROVOD_CYCLE_TIME", "FOO", "BAR=y"}
 
 
 @pytest.mark.parametrize("impl", [mpi.MPICH, mpi.OPENMPI])
@@ -415,6 +436,9 @@ def test_marker_parsing_and_messages():
     assert supervise.describe_exit(s) == "rank 2 (host h, pid 7) was killed by signal 9 (SIGKILL)"
     s = supervise.RankStatus(rank=1, host="h", pid=7, code=3)
     assert supervise.describe_exit(s) == "rank 1 (host h, pid 7) exited with code 3"
+    # The command's pid (its process group), not the rank wrapper's.
+    s = supervise.RankStatus(rank=1, host="h", pid=7, pgid=8, code=3)
+    assert supervise.describe_exit(s) == "rank 1 (host h, pid 8) exited with code 3"
 
 
 def test_output_prefixing():

@@ -1,0 +1,123 @@
+"""Allreduce and allgather that cross the network once per host, not once per rank.
+
+With several ranks per host, one ring of all ranks sends every byte over the
+hosts' links about 2(n-1)/n times per host *link*, as if each rank had its own.
+Here each host first reduces inside itself, then local rank l of every host
+allreduces part l of the buffer with the local rank l of the other hosts (the
+local_size cross-host rings run at once, each on 1/local_size of the buffer),
+then the host spreads the parts again. Per host, the link then carries
+2(h-1)/h of the buffer for h hosts: with 2 hosts x 2 ranks, 1 buffer instead
+of 1.5.
+
+Allgather the same way: the host gathers its ranks' rows, local rank 0 of each
+host exchanges the host's rows with the others, and the host broadcasts the
+whole. It needs every host to hold the same number of ranks, laid out in
+blocks (ranks 0..k-1 on the first host...), which is what both MPIs' default
+mapping gives; otherwise the flat ring is used.
+
+Off unless asked for (HOROLITE_HIERARCHICAL_ALLREDUCE=1, as in Horovod): on the
+simulated hosts of bench/multihost_bandwidth.py it measured 0.92-0.99x the
+speed of the flat ring (docs/benchmarks.md), since its three phases run one
+after the other where the flat ring overlaps its in-host and cross-host hops.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from ..ring import Ring, even_bounds
+from .mpi import PointToPoint
+
+__all__ = ["Hierarchical", "open_hierarchical"]
+
+_log = logging.getLogger("horolite.transport.hierarchical")
+
+
+class Hierarchical:
+    """Collectives over a host communicator (`local`) and a cross-host one (`cross`)."""
+
+    def __init__(self, local: MPI.Comm, cross: MPI.Comm, waiter):
+        self.local_comm, self.cross_comm = local, cross
+        self.local = Ring(PointToPoint(local, waiter))
+        self.cross = Ring(PointToPoint(cross, waiter))
+        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
+        self._waiter = waiter
+
+    def allreduce(self, buf: np.ndarray, op, postscale: float) -> None:
+        """Reduce `buf` (1-D, contiguous) in place over every rank of every host."""
+        if buf.size == 0:
+            return
+        bounds = even_bounds(buf.size, self.local_size)
+        self.local.scatter_reduce(buf, bounds, op)  # part local_rank: this host's sum
+        mine = buf[bounds[self.local_rank]:bounds[self.local_rank + 1]]
+        self.cross.allreduce(mine, op, postscale)  # part local_rank: everyone's
+        self.local.allgather(buf, bounds)
+
+    def allreduce_from(self, src: np.ndarray, dst: np.ndarray, op, postscale: float) -> None:
+        np.copyto(dst, src)
+        self.allreduce(dst, op, postscale)
+
+    def allgather(self, buf: np.ndarray, bounds: Sequence[int]) -> None:
+        """buf is bytes; world rank r's part sits at bounds[r] on rank r, and everywhere after."""
+        k, h = self.local_size, self.cross_size
+        host = self.cross_rank
+        # The host's ranks are world ranks host*k .. host*k+k-1: gather their parts.
+        first = host * k
+        self.local.allgather(buf[bounds[first]:bounds[first + k]],
+                             [b - bounds[first] for b in bounds[first:first + k + 1]])
+        # Local rank 0 of every host swaps whole hosts' parts, then each host broadcasts.
+        if self.local_rank == 0 and h > 1:
+            host_bounds = [bounds[i * k] for i in range(h + 1)]
+            self.cross.allgather(buf, host_bounds)
+        if k > 1:
+            self._waiter.wait(self.local_comm.Ibcast(buf, root=0))
+
+    def close(self) -> None:
+        for comm in (self.local_comm, self.cross_comm):
+            try:
+                comm.Free()
+            except MPI.Exception:
+                pass
+
+
+def _layout(comm: MPI.Comm, local: MPI.Comm) -> Optional[str]:
+    """Why the hierarchical path cannot serve this job, or None."""
+    sizes = comm.allgather((local.Get_size(), comm.Get_rank() - local.Get_rank()))
+    local_sizes = {k for k, _ in sizes}
+    if len(local_sizes) != 1:
+        return f"hosts hold different numbers of ranks ({sorted(local_sizes)})"
+    k = local_sizes.pop()
+    if k == 1:
+        return "one rank per host"
+    if k == comm.Get_size():
+        return "every rank is on one host"
+    if any(first != (r // k) * k for r, (_, first) in enumerate(sizes)):
+        return "ranks are not laid out in blocks of one host"  # e.g. round-robin mapping
+    return None
+
+
+def open_hierarchical(comm: MPI.Comm, waiter, allreduce: bool, allgather: bool):
+    """(Hierarchical or None for allreduce, the same for allgather). Collective.
+
+    Asked for where the layout does not allow it (one host, one rank per host,
+    hosts of different sizes), it is logged and the flat ring serves."""
+    if not allreduce and not allgather:
+        return None, None
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    why = _layout(comm, local)
+    if why is not None:
+        if comm.Get_rank() == 0:
+            _log.warning("rank %d: hierarchical collectives asked for but not used: %s",
+                         comm.Get_rank(), why)
+        local.Free()
+        return None, None
+    cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
+    hier = Hierarchical(local, cross, waiter)
+    _log.info("rank %d: hierarchical allreduce %s, allgather %s (%d hosts x %d ranks)",
+              comm.Get_rank(), "on" if allreduce else "off", "on" if allgather else "off",
+              hier.cross_size, hier.local_size)
+    return (hier if allreduce else None), (hier if allgather else None)

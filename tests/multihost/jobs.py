@@ -1,0 +1,36 @@
+"""Jobs on the bed: horolite-run started on hl-a, and rank-side pytest files across hosts."""
+import os
+import shutil
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HOROLITE_RUN = os.path.join(os.path.dirname(sys.executable), "horolite-run")
+
+
+def launch(bed, hosts: str, argv, env=None, timeout: float = 300, extra=()):
+    """``horolite-run -H hosts argv`` started on the first host (hl-a), from ROOT."""
+    return bed.run([HOROLITE_RUN, "-H", hosts, *extra, *argv], timeout=timeout, env=env)
+
+
+def run_pytest_across(bed, hosts: str, path: str, env=None, pytest_args=(), timeout=300):
+    """A rank-side pytest file on every rank of ``hosts``; fails with every rank's log."""
+    outdir = tempfile.mkdtemp(prefix="horolite-multihost-")
+    full_env = dict(env or {}, HOROLITE_TEST_OUTDIR=outdir, PYTHONUNBUFFERED="1")
+    old = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        proc = launch(bed, hosts, ["python", os.path.join(ROOT, "tests", "rank_pytest.py"), path,
+                                   *pytest_args], env=full_env, timeout=timeout)
+    finally:
+        os.chdir(old)
+    if proc.returncode != 0:
+        logs = []
+        for name in sorted(os.listdir(outdir)):
+            with open(os.path.join(outdir, name), errors="replace") as f:
+                logs.append(f"----- {name} -----\n{f.read()[-5000:]}")
+        raise AssertionError(f"{os.path.relpath(path, ROOT)} failed on {hosts} "
+                             f"(exit {proc.returncode})\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}\n"
+                             + "\n".join(logs))
+    shutil.rmtree(outdir, ignore_errors=True)
+    return proc

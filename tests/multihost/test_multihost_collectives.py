@@ -1,0 +1,30 @@
+"""The collective matrix across simulated hosts (2x1, 2x2, 3x1 and 1/2/1), over ssh.
+
+The full matrix of variants runs on one host (tests/test_matrix_core.py); here
+each layout runs the same rank-side file once, so the ring crosses real
+network links and ranks on other hosts start through sshd.
+"""
+import os
+
+import pytest
+
+from jobs import ROOT, run_pytest_across
+
+LAYOUTS = {"2x1": "hl-a:1,hl-b:1", "2x2": "hl-a:2,hl-b:2", "3x1": "hl-a:1,hl-b:1,hl-c:1",
+           "1-2-1": "hl-a:1,hl-b:2,hl-c:1"}
+COLLECTIVES = os.path.join(ROOT, "tests", "parallel", "test_collectives.py")
+TOPOLOGY = os.path.join(ROOT, "tests", "multihost", "ranks", "topology.py")
+
+
+# 2x2 with the hierarchical path (transport/hierarchical.py) off (the default) and on.
+# Asked for where the layout does not allow it (1/2/1), the flat ring serves.
+CASES = [("2x1", {}), ("2x2", {}), ("2x2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+                                            "HOROLITE_HIERARCHICAL_ALLGATHER": "1"}),
+         ("3x1", {}), ("1-2-1", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"})]
+
+
+@pytest.mark.parametrize("layout, env", CASES, ids=lambda c: c if isinstance(c, str) else
+                         ",".join(f"{k}={v}" for k, v in c.items()) or "auto")
+def test_collectives_and_topology_across_hosts(bed, no_leftovers, layout, env):
+    run_pytest_across(bed, LAYOUTS[layout], COLLECTIVES, pytest_args=[TOPOLOGY],
+                      env=dict(env, HOROLITE_TEST_LAYOUT=LAYOUTS[layout]))

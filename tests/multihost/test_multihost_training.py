@@ -1,0 +1,23 @@
+"""TensorFlow training across simulated hosts equals one process on the whole batch.
+
+Reuses the rank side of tests/tensorflow/test_tf_training.py (the tape, the
+legacy optimizer and Keras fit, each against a NumPy reference) on an uneven
+layout: one rank on hl-a, two on hl-b.
+"""
+import importlib.util
+import os
+
+import pytest
+
+from jobs import ROOT, run_pytest_across
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                                reason="TensorFlow is not installed")
+
+TRAINING = os.path.join(ROOT, "tests", "tensorflow", "test_tf_training.py")
+
+
+def test_training_across_hosts_equals_one_process(bed, no_leftovers):
+    run_pytest_across(bed, "hl-a:1,hl-b:2", TRAINING, timeout=400, pytest_args=[
+        "-k", "tape_data_parallel_equivalence or legacy_optimizer_graph_equivalence "
+              "or keras_fit_equivalence"])
