@@ -30,7 +30,7 @@ HARNESS_PREFIX = "HOROLITE_TEST_"
 class Setting:
     """One ``HOROLITE_<name>`` variable (``HOROVOD_<name>`` accepted too)."""
     name: str
-    kind: object  # bool, int, float, str, "tristate" (unset/0/1), or a tuple of choices
+    kind: object  # bool, int, float, str, or a tuple of choices
     default: object
     meaning: str
     field: str = ""  # attribute of Config; "" for the launcher's own settings
@@ -39,7 +39,6 @@ class Setting:
     flag_unit: str = ""  # "MiB": the flag's value times 1048576; "path": made absolute
     yaml: str = ""  # section.key in horovodrun's --config-file ("!" before key: inverted bool)
     scope: str = "rank"  # "rank": read by every rank at init; "launcher": by horolite-run
-    acted_on: bool = True  # False: declared (flag, Config field) but nothing reads it yet
 
     @property
     def variable(self) -> str:
@@ -49,9 +48,7 @@ class Setting:
         """The typed value of a raw environment string; ValueError names the variable."""
         text = raw.strip()
         variable = variable or self.variable
-        if self.kind in (bool, "tristate"):
-            if self.kind == "tristate" and text == "":
-                return None
+        if self.kind is bool:
             value = text.lower()
             if value in _TRUE:
                 return True
@@ -271,9 +268,6 @@ def unhonoured(environ: Optional[Mapping[str, str]] = None):
             continue
         name = variable[len(prefix):]
         if name in BY_NAME:
-            if not BY_NAME[name].acted_on:
-                found.append((variable, "not honoured: declared, but this build does not act "
-                                        "on it yet"))
             continue
         if name in NOT_HONOURED:
             found.append((variable, f"not honoured: {NOT_HONOURED[name][0]}"))
@@ -284,7 +278,7 @@ def unhonoured(environ: Optional[Mapping[str, str]] = None):
 
 
 def _default_text(setting: Setting) -> str:
-    if setting.kind == "tristate" or setting.default in ("", None):
+    if setting.default in ("", None):
         return "unset"
     if setting.kind is bool:
         return "`1`" if setting.default else "`0`"

@@ -88,7 +88,7 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (each sets a HOROLITE_* variable on every rank)")
     for name, kind, flag, flag_false, unit, variable, meaning in _flag_specs():
         help_text = f"{meaning.replace('%', '%%')} ({variable})"
-        if kind in (bool, "tristate"):
+        if kind is bool:
             pair = group.add_mutually_exclusive_group()
             for old_flag, value in _DEPRECATED.get(name, ()):
                 pair.add_argument(old_flag, dest=_dest(name), action="store_const", const=value,
@@ -117,7 +117,7 @@ def setting_env(args: argparse.Namespace) -> Tuple[Tuple[str, str], ...]:
         value = getattr(args, _dest(name), None)
         if value is None:
             continue
-        if kind in (bool, "tristate"):
+        if kind is bool:
             text = "1" if value else "0"
         elif unit == "MiB":
             text = str(int(value * 1024 * 1024))
@@ -186,7 +186,7 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser)
                 continue
             kind, unit = specs[name]
             try:
-                if kind in (bool, "tristate"):
+                if kind is bool:
                     typed = settings.Setting(name, bool, False, "").parse(str(value),
                                                                           f"{section}.{key}")
                     typed = (not typed) if inverted else typed

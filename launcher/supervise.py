@@ -171,7 +171,8 @@ class Supervisor:
         self.interrupted: Optional[int] = None
         self.timed_out = False
         self._signals: List[int] = []
-        self._stopping = threading.Event()  # set as soon as a failure or a signal is seen
+        # Set as soon as a failure or a signal is seen: hydra's error stack is noise from then on.
+        self._hydra_noise_expected = threading.Event()
         self._log = log or (lambda msg: print(f"horolite-run: {msg}", file=sys.stderr, flush=True))
 
     # --- output relay (reader threads) ---
@@ -182,10 +183,10 @@ class Supervisor:
                 parsed = parse_marker(marker.decode(errors="replace"))
                 if parsed:
                     if parsed[0] == "exit" and self._failed(parsed[1]):
-                        self._stopping.set()
+                        self._hydra_noise_expected.set()
                     self.events.put(parsed)
                     continue
-            if parse and self._stopping.is_set() and _HYDRA_LINE.match(raw):
+            if parse and self._hydra_noise_expected.is_set() and _HYDRA_LINE.match(raw):
                 continue
             try:
                 out.write(raw)
@@ -196,7 +197,7 @@ class Supervisor:
 
     def _on_signal(self, signum, frame):
         self._signals.append(signum)
-        self._stopping.set()
+        self._hydra_noise_expected.set()
         self.events.put(("signal", {}))
 
     # --- main loop ---
@@ -238,6 +239,7 @@ class Supervisor:
             now = time.monotonic()
             if kind in _RUNTIME_MARKERS:
                 if self._runtime_report(kind, fields) and stop_at is None and kill_at is None:
+                    self._hydra_noise_expected.set()
                     stop_at = now + self.fail_grace
             elif kind in ("start", "exit"):
                 self._record(kind, fields)
@@ -267,7 +269,7 @@ class Supervisor:
             if not self.timed_out and now >= start_deadline and \
                     not all(r.started for r in self.ranks.values()):
                 self.timed_out = True
-                self._stopping.set()
+                self._hydra_noise_expected.set()
                 self._log(self._start_timeout_message())
                 self._send(signal.SIGTERM)
                 kill_at = now + self.kill_grace

@@ -52,8 +52,8 @@ def test_choices():
         config.from_environ({"HOROLITE_LOG_LEVEL": "LOUD"})
 
 
-def test_hierarchical_settings_are_unset_or_forced():
-    assert config.from_environ({}).hierarchical_allreduce is None
+def test_hierarchical_settings_are_off_unless_asked_for():
+    assert config.from_environ({}).hierarchical_allreduce is False
     c = config.from_environ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
                              "HOROLITE_HIERARCHICAL_ALLGATHER": "0"})
     assert c.hierarchical_allreduce is True and c.hierarchical_allgather is False

@@ -79,7 +79,7 @@ def test_every_declared_setting_flag_sets_its_variable():
     for s in settings.SETTINGS:
         if s.scope != "rank":
             continue
-        if s.flag and s.kind in (bool, "tristate"):
+        if s.flag and s.kind is bool:
             assert dict(config(["-np", "1", s.flag, "t"]).env) == {s.variable: "1"}, s.flag
         elif s.flag:
             value = s.kind[-1] if isinstance(s.kind, tuple) else "3"

@@ -51,7 +51,7 @@ def test_no_flags_inside_an_allocation_takes_it():
         *WRAP, "t"]
     assert mpi.build_mpirun_command(c, mpi.OPENMPI, "mpirun", wrapper=WRAP) == [
         "mpirun", "-np", "7", "--oversubscribe", "--prtemca", "plm", "slurm",
-        "--host", "node01:2,node02:2,node03:2,gpu7:1", *WRAP, "t"]
+        "--host", "node01:2,node02:2,node03:2,gpu7:1", "--map-by", "slot", *WRAP, "t"]
 
 
 def test_fewer_ranks_use_only_the_first_hosts():
