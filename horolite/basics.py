@@ -52,14 +52,15 @@ def _set_thread_level(cfg) -> None:
     """HOROLITE_MPI_THREADS_DISABLE: ask MPI for SERIALIZED, enough for the one background
     thread that calls MPI. Only MPI's first initialization can choose."""
     import sys
+    if not cfg.mpi_threads_disable:
+        return  # mpi4py's own default (or the user's mpi4py.rc): MULTIPLE
     try:
         import mpi4py
     except ImportError:
         return  # load_mpi says what to install
-    level = "serialized" if cfg.mpi_threads_disable else "multiple"
     if "mpi4py.MPI" not in sys.modules:
-        mpi4py.rc.thread_level = level
-    elif cfg.mpi_threads_disable and mpi4py.rc.thread_level != level:
+        mpi4py.rc.thread_level = "serialized"
+    elif mpi4py.rc.thread_level != "serialized":
         _log.warning("HOROLITE_MPI_THREADS_DISABLE=1 has no effect: MPI was imported before "
                      "horolite.init() (set it before the first `from mpi4py import MPI`)")
 
