@@ -68,6 +68,11 @@ def install(get_runtime: Callable, after_fork_in_child: Callable) -> None:
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
+        # A child is born with the default action: a Python handler could lose a SIGTERM
+        # that arrives while the child starts (multiprocessing's Pool.terminate then waits
+        # forever on a worker).
+        os.register_at_fork(before=lambda: _set_sigterm(signal.SIG_DFL),
+                            after_in_parent=lambda: _set_sigterm(_on_sigterm))
     os.register_at_fork(after_in_child=_in_child)
     atexit.register(_exit_forked_child)
 
@@ -97,6 +102,11 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def _set_sigterm(handler) -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
 def _on_sigterm(signum, frame):
     rt = _get_runtime() if in_init_process() else None
     if rt is not None:
@@ -106,6 +116,8 @@ def _on_sigterm(signum, frame):
 
 
 def _in_child() -> None:
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:  # forked from a thread other than main
+        _set_sigterm(signal.SIG_DFL)
     if _after_fork is not None and _init_pid is not None:
         _after_fork()
 
