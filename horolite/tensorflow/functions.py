@@ -10,7 +10,7 @@ import tensorflow as tf
 import horolite as _core
 from horolite.errors import HorovodInternalError
 
-from .mpi_ops import graph_unique_name, to_tf_error, wait, _enqueue
+from .bridge import graph_unique_name, to_tf_error, wait, _enqueue
 
 __all__ = ["broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn",
            "allgather_object", "broadcast_global_variables", "variable_name"]

@@ -21,8 +21,8 @@ from horolite.ops import ReduceOp
 
 from .compression import Compression
 from .functions import variable_name, variable_ref
-from .mpi_ops import (_check_op, _enqueue, graph_unique_name, grouped_allreduce_submit,
-                      run_alone, wait)
+from .bridge import _enqueue, graph_unique_name, grouped_allreduce_submit, run_alone, wait
+from .mpi_ops import _check_op
 
 __all__ = ["GradientReducer", "LocalAggregator", "check_arguments"]
 

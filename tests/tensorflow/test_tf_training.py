@@ -92,17 +92,17 @@ def test_default_sends_a_steps_gradients_as_one_request(kwargs, grouped, single,
     # One grouped request per step keeps the background thread at one cycle per step;
     # num_groups=0 is Horovod's one request per gradient.
     import horolite
-    from horolite.tensorflow import mpi_ops
+    from horolite.tensorflow import bridge
     calls = {"grouped": 0, "single": 0}
     # (the bridge submits groups through the borrowing form: packing is its only copy)
-    real_grouped, real_single = mpi_ops._grouped_allreduce_async, horolite.allreduce_async
+    real_grouped, real_single = bridge._grouped_allreduce_async, horolite.allreduce_async
 
     def count(kind, real):
         def wrapper(*args, **kw):
             calls[kind] += 1
             return real(*args, **kw)
         return wrapper
-    monkeypatch.setattr(mpi_ops, "_grouped_allreduce_async", count("grouped", real_grouped))
+    monkeypatch.setattr(bridge, "_grouped_allreduce_async", count("grouped", real_grouped))
     monkeypatch.setattr(horolite, "allreduce_async", count("single", real_single))
     w, b, c = tf.Variable(W0), tf.Variable(B0), tf.Variable(2.0)
     x, y = tf.constant(X[LO:HI]), tf.constant(Y[LO:HI])
@@ -393,10 +393,10 @@ def test_tape_options_take_keras_variables(mode, monkeypatch):
 
         if mode == "eager":  # the groups are kept: one request per group
             import horolite
-            from horolite.tensorflow import mpi_ops
+            from horolite.tensorflow import bridge
             requests = []
-            grouped, single = mpi_ops._grouped_allreduce_async, horolite.allreduce_async
-            monkeypatch.setattr(mpi_ops, "_grouped_allreduce_async",
+            grouped, single = bridge._grouped_allreduce_async, horolite.allreduce_async
+            monkeypatch.setattr(bridge, "_grouped_allreduce_async",
                                 lambda arrays, *a, **kw: requests.append(len(arrays)) or grouped(arrays, *a, **kw))
             monkeypatch.setattr(horolite, "allreduce_async",
                                 lambda *a, **kw: requests.append(1) or single(*a, **kw))
