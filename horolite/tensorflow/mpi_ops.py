@@ -14,12 +14,12 @@ import horolite as _core
 from horolite.errors import HorovodInternalError
 from horolite.ops import Average, ReduceOp
 
+from .process_sets import check_process_set, global_process_set
 from .bridge import (_enqueue, _guarded, _resolve_name, _run, enqueue_grouped_allreduce,
                      to_tf_error, wait)
 
-__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall",
-           "reducescatter", "join", "barrier", "size_op", "rank_op", "local_size_op", "local_rank_op",
-           "allgather_with_gradient", "grouped_allgather", "grouped_reducescatter"]
+__all__ = ["allgather", "broadcast", "alltoall", "join", "barrier", "size_op", "rank_op",
+           "local_size_op", "local_rank_op", "process_set_included_op", "allgather_with_gradient", "grouped_allgather", "scale"]
 
 def _as_tensor(tensor) -> tf.Tensor:
     if isinstance(tensor, tf.Variable):
@@ -58,30 +58,13 @@ def _allreduce_dense(tensor: tf.Tensor, op, name, pre, post) -> tf.Tensor:
     return fn(tensor)
 
 
-def allreduce(tensor, op=Average, compression=None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, name: Optional[str] = None):
-    """Reduce `tensor` (tf.Tensor, tf.Variable or tf.IndexedSlices) over all ranks.
-
-    IndexedSlices become two allgathers (values and indices); Average then
-    divides the values by the number of ranks. Only Average and Sum are defined
-    for IndexedSlices (ValueError otherwise).
-    """
+def _allreduce(tensor, op=Average, compression=None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, name: Optional[str] = None):
+    """Reduce a dense `tensor` (tf.Tensor or tf.Variable) over all ranks (Horovod's
+    `mpi_ops._allreduce`; `horolite.tensorflow.allreduce` is the public form)."""
     from .compression import Compression
     compression = compression or Compression.none
     op = _check_op(op)
-    if isinstance(tensor, tf.IndexedSlices):
-        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"allreduce of tf.IndexedSlices supports only Average and Sum, not {op.name}; "
-                             "pass sparse_as_dense=True to reduce them as dense tensors")
-        base = name
-        values = allgather(tensor.values, name=None if base is None else f"{base}.values")
-        indices = allgather(tensor.indices, name=None if base is None else f"{base}.indices")
-        scale = float(prescale_factor) * float(postscale_factor)
-        if op == ReduceOp.AVERAGE:
-            scale /= _core.size()
-        if scale != 1.0:
-            values = values * tf.cast(scale, values.dtype)
-        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     tensor = _as_tensor(tensor)
     name = _resolve_name(name, "HorovodAllreduce", tensor)
     compressed, ctx = compression.compress(tensor)
@@ -89,9 +72,9 @@ def allreduce(tensor, op=Average, compression=None, prescale_factor: float = 1.0
     return compression.decompress(reduced, ctx)
 
 
-def grouped_allreduce(tensors, op=Average, compression=None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0, name: Optional[str] = None):
-    """Allreduce a list of tensors as one group (they negotiate and fuse together)."""
+def _grouped_allreduce(tensors, op=Average, compression=None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, name: Optional[str] = None):
+    """Allreduce a list of dense tensors as one group (they negotiate and fuse together)."""
     from .compression import Compression
     compression = compression or Compression.none
     op = _check_op(op)
@@ -129,12 +112,14 @@ def _allgather_with_rows(x: tf.Tensor, name):
     return wait(hid, [x.dtype], [tf.TensorShape([None]).concatenate(x.shape[1:])], with_rows=True)
 
 
-def allgather(tensor, name: Optional[str] = None) -> tf.Tensor:
+def allgather(tensor, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set=global_process_set) -> tf.Tensor:
     """Concatenate every rank's tensor along the first dimension (which may differ per rank).
 
     Gradient (as in Horovod since 0.22): the upstream gradient averaged over
     ranks, then this rank's rows.
     """
+    check_process_set(process_set, "allgather")
     return allgather_with_gradient(tensor, name, ReduceOp.AVERAGE)
 
 
@@ -163,8 +148,10 @@ def _allgather_grad(x: tf.Tensor, dy, rows: tf.Tensor, name: Optional[str],
                     tf.shape(x, out_type=tf.int64))
 
 
-def grouped_allgather(tensors, name: Optional[str] = None) -> List[tf.Tensor]:
+def grouped_allgather(tensors, name: Optional[str] = None, ignore_name_scope: bool = False,
+                      process_set=global_process_set) -> List[tf.Tensor]:
     """allgather of each tensor, submitted as one group (one enqueue op; they negotiate together)."""
+    check_process_set(process_set, "grouped_allgather")
     return _grouped_along_first_dim(tensors, name, "HorovodGroupedAllgather",
                                     _core.grouped_allgather_async, _allgather_grad, with_rows=True)
 
@@ -197,12 +184,14 @@ def _broadcast_raw(x: tf.Tensor, root_rank: int, name) -> tf.Tensor:
     return _run(lambda a: _core.broadcast_async(a, root_rank, name), [x], [x.dtype], [x.shape])[0]
 
 
-def broadcast(tensor, root_rank: int, name: Optional[str] = None) -> tf.Tensor:
+def broadcast(tensor, root_rank: int, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set=global_process_set) -> tf.Tensor:
     """Every rank gets root_rank's tensor.
 
     Gradient (as in Horovod since 0.22): the upstream gradient averaged over
     ranks on the root, zeros on the other ranks.
     """
+    check_process_set(process_set, "broadcast")
     tensor = _as_tensor(tensor)
     root_rank = int(root_rank)
     name = _resolve_name(name, "HorovodBroadcast", tensor)
@@ -240,13 +229,15 @@ def _alltoall_raw(x: tf.Tensor, splits: Optional[tf.Tensor], name):
     return out, received
 
 
-def alltoall(tensor, splits=None, name: Optional[str] = None):
+def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope: bool = False,
+             process_set=global_process_set):
     """Send `splits[i]` rows to rank i (equal parts when splits is None).
 
     Returns the rows received, and with splits given, also the rows received
     from each rank (Horovod >= 0.26 returns both too). Gradient: the alltoall
     of the upstream gradient back along the received splits.
     """
+    check_process_set(process_set, "alltoall")
     tensor = _as_tensor(tensor)
     name = _resolve_name(name, "HorovodAlltoall", tensor)
     with_splits = splits is not None
@@ -271,9 +262,11 @@ def _reducescatter_raw(x: tf.Tensor, op, name) -> tf.Tensor:
                 [tf.TensorShape([None]).concatenate(x.shape[1:])])[0]
 
 
-def reducescatter(tensor, op=Average, name: Optional[str] = None) -> tf.Tensor:
+def _reducescatter(tensor, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                   postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce over ranks; rank r keeps the r-th part of the first dimension
-    (the first rows % size ranks get one extra row).
+    (the first rows % size ranks get one extra row). The scale factors multiply
+    the input and the result (integers: in double, truncated toward zero).
 
     Gradient (Horovod's): the allgather of the upstream gradient, times size for Sum.
     """
@@ -284,7 +277,17 @@ def reducescatter(tensor, op=Average, name: Optional[str] = None) -> tf.Tensor:
     @tf.custom_gradient
     def fn(x):
         return _reducescatter_raw(x, op, name), lambda dy: _reducescatter_grad(dy, op, name)
-    return fn(tensor)
+    return scale(fn(scale(tensor, prescale_factor)), postscale_factor)
+
+
+def scale(x: tf.Tensor, factor: float) -> tf.Tensor:
+    """x * factor; integers are scaled in double and truncated toward zero (as the runtime)."""
+    factor = float(factor)
+    if factor == 1.0:
+        return x
+    if x.dtype.is_integer:
+        return tf.cast(tf.cast(x, tf.float64) * factor, x.dtype)
+    return x * tf.cast(factor, x.dtype)
 
 
 def _check_reducescatter_op(op) -> ReduceOp:
@@ -302,13 +305,15 @@ def _reducescatter_grad(dy, op: ReduceOp, name: Optional[str]) -> tf.Tensor:
     return _allgather_raw(dy, _resolve_name(_grad_name(name), "HorovodReducescatterGrad", dy))
 
 
-def grouped_reducescatter(tensors, op=Average, name: Optional[str] = None) -> List[tf.Tensor]:
+def _grouped_reducescatter(tensors, op=Average, name: Optional[str] = None,
+                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[tf.Tensor]:
     """reducescatter of each tensor, submitted as one group (one enqueue op)."""
     op = _check_reducescatter_op(op)
-    return _grouped_along_first_dim(
-        tensors, name, "HorovodGroupedReducescatter",
+    out = _grouped_along_first_dim(
+        [scale(_as_tensor(t), prescale_factor) for t in tensors], name, "HorovodGroupedReducescatter",
         lambda arrays, nm: _core.grouped_reducescatter_async(arrays, op, nm),
         lambda x, dy, rows, nm: _reducescatter_grad(dy, op, nm))
+    return [scale(t, postscale_factor) for t in out]
 
 
 def join() -> tf.Tensor:
@@ -334,17 +339,37 @@ def barrier():
                              stateful=True, name="HorolitBarrier")
 
 
-def size_op() -> tf.Tensor:
-    return tf.constant(_core.size(), tf.int32)
+def _check_set_id(process_set_id: int, what: str) -> None:
+    if int(process_set_id) != 0:
+        check_process_set(_unknown_set(process_set_id), what)
 
 
-def rank_op() -> tf.Tensor:
-    return tf.constant(_core.rank(), tf.int32)
+def _unknown_set(process_set_id: int):
+    from .process_sets import ProcessSet
+    ps = ProcessSet([])
+    ps.process_set_id = int(process_set_id)
+    return ps
 
 
-def local_size_op() -> tf.Tensor:
-    return tf.constant(_core.local_size(), tf.int32)
+def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
+    """The number of ranks, as an int32 tensor."""
+    _check_set_id(process_set_id, "size_op")
+    return tf.constant(_core.size(), tf.int32, name=name)
 
 
-def local_rank_op() -> tf.Tensor:
-    return tf.constant(_core.local_rank(), tf.int32)
+def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
+    """1 (int32) when this rank belongs to the process set: always, for the global set."""
+    _check_set_id(process_set_id, "process_set_included_op")
+    return tf.constant(1, tf.int32, name=name)
+
+
+def rank_op(name: Optional[str] = None) -> tf.Tensor:
+    return tf.constant(_core.rank(), tf.int32, name=name)
+
+
+def local_size_op(name: Optional[str] = None) -> tf.Tensor:
+    return tf.constant(_core.local_size(), tf.int32, name=name)
+
+
+def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
+    return tf.constant(_core.local_rank(), tf.int32, name=name)
