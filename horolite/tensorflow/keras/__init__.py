@@ -7,8 +7,8 @@
     model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                                hvd.callbacks.MetricAverageCallback()])
 
-The collectives are Python ops, which XLA cannot compile: Keras turns XLA off
-by itself on CPU-only machines; elsewhere pass `jit_compile=False`.
+The collectives are Python ops, which XLA cannot compile: compile() turns XLA off
+(with one warning) for a model whose optimizer is a DistributedOptimizer (see keras_hooks).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 `horolite.tensorflow.keras` is imported, and acting only on models and loss-scale
 optimizers that hold a horolite DistributedOptimizer.
 
-- XLA: `compile(jit_compile=True)` (and `"auto"`, which Keras turns on by itself on
+- XLA: `Model.compile(jit_compile=True)` (and `"auto"`, which Keras turns on by itself on
   GPU machines) would compile the train step with XLA, which cannot run horolite's
   collectives (Python ops). For a model whose optimizer is a DistributedOptimizer,
   compile turns XLA off for that model, with one warning saying why.
@@ -51,7 +51,10 @@ def install(distributed_mixin: type) -> None:
         return isinstance(opt, distributed_mixin) or (
             isinstance(opt, lso_cls) and isinstance(opt.inner_optimizer, distributed_mixin))
 
-    original_compile = keras.Model.compile
+    # Patched where Keras defines it (its Trainer), not on keras.Model: loading a model
+    # compiles it only if `compile` is the Trainer's own.
+    owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
+    original_compile = owner.compile
 
     def compile(self, *args, **kwargs):
         original_compile(self, *args, **kwargs)
@@ -64,7 +67,7 @@ def install(distributed_mixin: type) -> None:
                              "compile", self.name)
 
     compile.__doc__ = original_compile.__doc__
-    keras.Model.compile = compile
+    owner.compile = compile
 
     original_check_finite = lso_cls.check_finite
 
