@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from horolite.config import env_value
 from horolite.errors import (DuplicateNameError, InvalidCollectiveError, NotInitializedError,
                              ShutdownError, TensorMismatchError)
 
@@ -96,11 +97,11 @@ _tried = False
 
 
 def _enabled() -> bool:
-    return os.environ.get("HOROLITE_TF_NATIVE_OPS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return (env_value("TF_NATIVE_OPS") or "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("HOROLITE_TF_OPS_CACHE") or os.path.join(
+    base = env_value("TF_OPS_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "horolite", "tf_ops")
     flags = tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()
     digest = hashlib.sha256(open(_SOURCE, "rb").read() + " ".join(flags).encode()).hexdigest()[:16]
