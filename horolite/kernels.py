@@ -30,7 +30,7 @@ __all__ = ["reduce_into", "scale_into", "pack", "unpack", "native_codes", "check
 _OP_CODES = {ReduceOp.SUM: 1, ReduceOp.AVERAGE: 1, ReduceOp.MIN: 3,
              ReduceOp.MAX: 4, ReduceOp.PRODUCT: 5}
 _ITEMSIZE = {"uint8": 1, "int8": 1, "int32": 4, "int64": 8,
-             "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+             "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "uint16": 2, "int16": 2}
 _ERRORS = {-1: "unsupported dtype", -2: "unsupported reduce op",
            -3: "byte count is not a multiple of the element size",
            -4: "integer dtypes need a finite scale factor"}

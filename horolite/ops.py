@@ -31,9 +31,10 @@ Product = ReduceOp.PRODUCT
 REDUCIBLE_DTYPES = {
     "uint8": 0, "int8": 1, "int32": 2, "int64": 3,
     "float16": 4, "bfloat16": 5, "float32": 6, "float64": 7,
+    "uint16": 8, "int16": 9,
 }
 # Allgather, broadcast and alltoall only move bytes, so bool is fine there.
-MOVABLE_DTYPES = dict(REDUCIBLE_DTYPES, bool=8)
+MOVABLE_DTYPES = dict(REDUCIBLE_DTYPES, bool=10)
 
 
 _NAMES = {}

@@ -112,6 +112,10 @@ HL_ALWAYS_INLINE uint16_t hl_f32_to_bf16(float f)
 #define HL_MUL_U8(a, b) ((uint8_t)((a) * (b)))
 #define HL_ADD_I8(a, b) ((int8_t)(uint8_t)((uint8_t)(a) + (uint8_t)(b)))
 #define HL_MUL_I8(a, b) ((int8_t)(uint8_t)((uint8_t)(a) * (uint8_t)(b)))
+#define HL_ADD_U16(a, b) ((uint16_t)((a) + (b)))
+#define HL_MUL_U16(a, b) ((uint16_t)((uint32_t)(a) * (uint32_t)(b)))
+#define HL_ADD_I16(a, b) ((int16_t)(uint16_t)((uint16_t)(a) + (uint16_t)(b)))
+#define HL_MUL_I16(a, b) ((int16_t)(uint16_t)((uint32_t)(uint16_t)(a) * (uint32_t)(uint16_t)(b)))
 #define HL_ADD_I32(a, b) ((int32_t)((uint32_t)(a) + (uint32_t)(b)))
 #define HL_MUL_I32(a, b) ((int32_t)((uint32_t)(a) * (uint32_t)(b)))
 #define HL_ADD_I64(a, b) ((int64_t)((uint64_t)(a) + (uint64_t)(b)))
@@ -137,6 +141,8 @@ HL_ALWAYS_INLINE uint16_t hl_f32_to_bf16(float f)
     }
 HL_DEFINE_SCALE_INT(hl_scale_u8, uint8_t, 0.0, 255.0)
 HL_DEFINE_SCALE_INT(hl_scale_i8, int8_t, -128.0, 127.0)
+HL_DEFINE_SCALE_INT(hl_scale_u16, uint16_t, 0.0, 65535.0)
+HL_DEFINE_SCALE_INT(hl_scale_i16, int16_t, -32768.0, 32767.0)
 HL_DEFINE_SCALE_INT(hl_scale_i32, int32_t, -2147483648.0, 2147483647.0)
 HL_DEFINE_SCALE_INT(hl_scale_i64, int64_t, -9223372036854775808.0, 9223372036854774784.0)
 #undef HL_DEFINE_SCALE_INT
@@ -144,6 +150,8 @@ HL_DEFINE_SCALE_INT(hl_scale_i64, int64_t, -9223372036854775808.0, 9223372036854
 /* these read the local scale factors sd (double) and sf (float) */
 #define HL_SCALED_U8(x) hl_scale_u8((x), sd)
 #define HL_SCALED_I8(x) hl_scale_i8((x), sd)
+#define HL_SCALED_U16(x) hl_scale_u16((x), sd)
+#define HL_SCALED_I16(x) hl_scale_i16((x), sd)
 #define HL_SCALED_I32(x) hl_scale_i32((x), sd)
 #define HL_SCALED_I64(x) hl_scale_i64((x), sd)
 #define HL_SCALED_F16(x) hl_f32_to_f16((x) * sf)
@@ -237,17 +245,19 @@ typedef int (*hl_scale_fn)(void *, const void *, size_t, double);
 /* one level: its name and its loops, indexed by dtype code */
 struct hl_level {
     const char *name;
-    hl_reduce_fn reduce[8];
-    hl_scale_fn scale[8];
+    hl_reduce_fn reduce[10];
+    hl_scale_fn scale[10];
 };
 
 #define HL_LEVEL(NAME, SFX, F16_REDUCE, F16_SCALE)                            \
     {                                                                         \
         NAME,                                                                 \
         {reduce_u8##SFX, reduce_i8##SFX, reduce_i32##SFX, reduce_i64##SFX,    \
-         F16_REDUCE, reduce_bf16##SFX, reduce_f32##SFX, reduce_f64##SFX},     \
+         F16_REDUCE, reduce_bf16##SFX, reduce_f32##SFX, reduce_f64##SFX,      \
+         reduce_u16##SFX, reduce_i16##SFX},                                   \
         {scale_u8##SFX, scale_i8##SFX, scale_i32##SFX, scale_i64##SFX,        \
-         F16_SCALE, scale_bf16##SFX, scale_f32##SFX, scale_f64##SFX},         \
+         F16_SCALE, scale_bf16##SFX, scale_f32##SFX, scale_f64##SFX,          \
+         scale_u16##SFX, scale_i16##SFX},                                     \
     }
 
 static const struct hl_level hl_levels[] = {
@@ -310,12 +320,13 @@ const char *hl_isa_name(int level)
 
 /* ---- public entry points -------------------------------------------------- */
 
-static const size_t hl_itemsize[8] = {1, 1, 4, 8, 2, 2, 4, 8};
+static const size_t hl_itemsize[10] = {1, 1, 4, 8, 2, 2, 4, 8, 2, 2};
 
 static int hl_check_dtype_scale(int dtype, double factor)
 {
-    if (dtype < HL_UINT8 || dtype > HL_FLOAT64) return HL_EDTYPE;
-    if (dtype <= HL_INT64 && factor != 1.0 && !isfinite(factor)) return HL_ESCALE;
+    if (dtype < HL_UINT8 || dtype > HL_INT16) return HL_EDTYPE;
+    const int integer = dtype <= HL_INT64 || dtype == HL_UINT16 || dtype == HL_INT16;
+    if (integer && factor != 1.0 && !isfinite(factor)) return HL_ESCALE;
     return 0;
 }
 

@@ -19,6 +19,8 @@
 #define HL_BFLOAT16 5
 #define HL_FLOAT32 6
 #define HL_FLOAT64 7
+#define HL_UINT16 8
+#define HL_INT16 9
 
 /* op codes (horolite.ops.ReduceOp); AVERAGE is SUM with 1/n folded into postscale */
 #define HL_SUM 1

@@ -5,7 +5,7 @@
  * the includer's `#pragma GCC target` decides what the loops compile to. Every
  * loop is a plain, branch-free element loop so that GCC vectorizes it.
  * Defines reduce_<dtype><sfx>(acc, src, count, op, postscale) and
- * scale_<dtype><sfx>(dst, src, count, factor) for the eight dtypes; op is
+ * scale_<dtype><sfx>(dst, src, count, factor) for the ten dtypes; op is
  * already validated.
  */
 
@@ -74,6 +74,10 @@ HL_DEFINE_REDUCE(reduce_u8, uint8_t, uint8_t, HL_ID, HL_ID, HL_SCALED_U8,
                  HL_ADD_U8, HL_MUL_U8, HL_MIN_ANY, HL_MAX_ANY)
 HL_DEFINE_REDUCE(reduce_i8, int8_t, int8_t, HL_ID, HL_ID, HL_SCALED_I8,
                  HL_ADD_I8, HL_MUL_I8, HL_MIN_ANY, HL_MAX_ANY)
+HL_DEFINE_REDUCE(reduce_u16, uint16_t, uint16_t, HL_ID, HL_ID, HL_SCALED_U16,
+                 HL_ADD_U16, HL_MUL_U16, HL_MIN_ANY, HL_MAX_ANY)
+HL_DEFINE_REDUCE(reduce_i16, int16_t, int16_t, HL_ID, HL_ID, HL_SCALED_I16,
+                 HL_ADD_I16, HL_MUL_I16, HL_MIN_ANY, HL_MAX_ANY)
 HL_DEFINE_REDUCE(reduce_i32, int32_t, int32_t, HL_ID, HL_ID, HL_SCALED_I32,
                  HL_ADD_I32, HL_MUL_I32, HL_MIN_ANY, HL_MAX_ANY)
 HL_DEFINE_REDUCE(reduce_i64, int64_t, int64_t, HL_ID, HL_ID, HL_SCALED_I64,
@@ -89,6 +93,8 @@ HL_DEFINE_REDUCE(reduce_f64, double, double, HL_ID, HL_ID, HL_SCALED_F64,
 
 HL_DEFINE_SCALE(scale_u8, uint8_t, HL_ID, HL_SCALED_U8)
 HL_DEFINE_SCALE(scale_i8, int8_t, HL_ID, HL_SCALED_I8)
+HL_DEFINE_SCALE(scale_u16, uint16_t, HL_ID, HL_SCALED_U16)
+HL_DEFINE_SCALE(scale_i16, int16_t, HL_ID, HL_SCALED_I16)
 HL_DEFINE_SCALE(scale_i32, int32_t, HL_ID, HL_SCALED_I32)
 HL_DEFINE_SCALE(scale_i64, int64_t, HL_ID, HL_SCALED_I64)
 HL_DEFINE_SCALE(scale_f16, uint16_t, hl_f16_to_f32, HL_SCALED_F16)

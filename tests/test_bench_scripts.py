@@ -58,6 +58,13 @@ def test_small_tensors(tmp_path):
     assert any("4 KiB" in t["name"] for t in doc["targets"])
 
 
+def test_tf_wait_op(tmp_path):
+    pytest.importorskip("tensorflow")
+    doc = run_bench("tf_wait_op", tmp_path, "--no-plot")
+    timed = [v for v in doc.values() if isinstance(v, dict) and "ratio" in v]
+    assert len(timed) == 3 and all(v["native_s"] > 0 and v["python_s"] > 0 for v in timed)
+
+
 def test_steady_state_memory(tmp_path):
     doc = run_bench("steady_state_memory", tmp_path)
     assert len(doc["per_rank"]) == 2

@@ -13,8 +13,9 @@ from typing import Optional
 
 import tensorflow as tf
 
+import horolite as _core
 from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
-                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
+                      gloo_enabled, is_homogeneous, is_initialized, local_rank, local_size,
                       mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
                       shutdown, size, start_timeline, stop_timeline)
 from horolite.errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
@@ -26,9 +27,13 @@ from .functions import (allgather_object, broadcast_, broadcast_global_variables
                         broadcast_object_fn, broadcast_variables, variable_ref)
 from .sync_batch_norm import SyncBatchNormalization
 from .gradients import GradientReducer, LocalAggregator, check_arguments
-from .mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather,
-                      grouped_allreduce, grouped_reducescatter, join,
-                      local_rank_op, local_size_op, rank_op, reducescatter, size_op)
+from .api import (allreduce, grouped_allreduce, grouped_reducescatter,
+                  handle_average_backwards_compatibility, reducescatter)
+from .mpi_ops import (allgather, alltoall, barrier, broadcast, grouped_allgather, join,
+                      local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
+from .process_sets import (ProcessSet, add_process_set, check_init_process_sets,
+                           check_process_set, global_process_set, remove_process_set)
+from . import elastic
 from .wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
                                  SyncReplicasOptimizer)
 
@@ -39,7 +44,9 @@ __all__ = [
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "grouped_reducescatter", "broadcast", "alltoall", "reducescatter",
-    "join", "barrier", "size_op", "rank_op", "local_size_op", "local_rank_op", "Compression",
+    "join", "barrier", "size_op", "rank_op", "local_size_op", "local_rank_op",
+    "process_set_included_op", "Compression", "ProcessSet", "global_process_set",
+    "add_process_set", "remove_process_set", "handle_average_backwards_compatibility", "elastic",
     "broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn", "allgather_object",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
@@ -50,10 +57,11 @@ __all__ = [
 ]
 
 
-def _no_process_sets(process_set):
-    if process_set is not None:
-        raise NotImplementedError("horolite has no process sets: every collective spans all ranks "
-                                  "of init(comm)")
+def init(comm=None, process_sets=None):
+    """Start horolite (Horovod's `init(comm=None, process_sets=None)`): `comm` is an mpi4py
+    communicator or a list of world ranks; only the global process set is supported."""
+    check_init_process_sets(process_sets)
+    _core.init(comm)
 
 
 # ------------------------------------------------------------------ tape ----
@@ -90,8 +98,18 @@ class _DistributedGradientTapeMixin:
         agg.reducer = self._horolite_reducer
         return agg
 
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       use_generic_names: bool = False):
+        """Horovod's: `gradient()`, split into ([(local source, gradient)...],
+        [(reduced source, gradient)...]) in the order of `sources`."""
+        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        local, reduced = [], []
+        for s, g in zip(sources, grads):
+            (local if variable_ref(s) in self._horolite_reducer.local_refs else reduced).append((s, g))
+        return local, reduced
+
     def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+                 unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names: bool = False):
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
@@ -110,7 +128,7 @@ class _DistributedGradientTapeMixin:
 def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",
                             compression=Compression.none, sparse_as_dense: bool = False, op=Average,
                             gradient_predivide_factor: float = 1.0, num_groups=None, groups=None,
-                            process_set=None, scale_local_gradients: bool = True,
+                            process_set=global_process_set, scale_local_gradients: bool = True,
                             backward_passes_per_step: int = 1,
                             average_aggregated_gradients: bool = False):
     """Wrap a tf.GradientTape so `gradient()` returns gradients reduced over all ranks.
@@ -123,7 +141,7 @@ def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str
     and `tape.gradients_ready` says whether this call's result is the reduced
     one (a bool, or a bool tensor inside graphs).
     """
-    _no_process_sets(process_set)
+    check_process_set(process_set, "DistributedGradientTape")
     check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op,
                               gradient_predivide_factor, num_groups, groups, scale_local_gradients)
@@ -148,7 +166,7 @@ def _local_layer_variables(local_layers, what: str) -> list:
 def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",
                                    compression=Compression.none, sparse_as_dense: bool = False,
                                    op=Average, gradient_predivide_factor: float = 1.0,
-                                   num_groups=None, groups=None, process_set=None,
+                                   num_groups=None, groups=None, process_set=global_process_set,
                                    local_layers=None, scale_local_gradients: bool = True):
     """DistributedGradientTape whose `local_layers` (model-parallel layers) keep their
     own gradients: every trainable variable of theirs is a registered local source."""
@@ -238,10 +256,10 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
                          backward_passes_per_step: int = 1, op=Average,
                          gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups=None,
-                         groups=None, process_set=None, scale_local_gradients: bool = True):
+                         groups=None, process_set=global_process_set, scale_local_gradients: bool = True):
     """Horovod's DistributedOptimizer: a tf.compat.v1.train.Optimizer (legacy, graph or eager)
     or a Keras optimizer (then see horolite.tensorflow.keras.DistributedOptimizer)."""
-    _no_process_sets(process_set)
+    check_process_set(process_set, "DistributedOptimizer")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return _DistributedOptimizer(optimizer, name, use_locking, compression, sparse_as_dense,
                                      backward_passes_per_step, op, gradient_predivide_factor,

@@ -10,7 +10,8 @@ import tensorflow as tf
 import horolite as _core
 from horolite.errors import HorovodInternalError
 
-from .mpi_ops import graph_unique_name, to_tf_error, wait, _enqueue
+from .bridge import graph_unique_name, to_tf_error, wait, _enqueue
+from .process_sets import check_process_set, global_process_set
 
 __all__ = ["broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn",
            "allgather_object", "broadcast_global_variables", "variable_name"]
@@ -36,12 +37,15 @@ def variable_ref(var):
     return None
 
 
-def broadcast_variables(variables, root_rank: int, name: Optional[str] = None):
-    """Assign root_rank's value to every variable on every rank.
+def broadcast_variables(variables, root_rank: int, process_set=global_process_set,
+                        inplace: bool = False, name: Optional[str] = None):
+    """Assign root_rank's value to every variable on every rank (Horovod's signature;
+    `inplace` is accepted: the variables are assigned either way; `name` is horolite's).
 
     Eagerly this runs at once and returns None; in a graph it returns the op.
     All broadcasts are enqueued before any is awaited, so they fuse.
     """
+    check_process_set(process_set, "broadcast_variables")
     variables = list(variables)
     prefix = name or "broadcast_variables"
     if not tf.executing_eagerly():
@@ -63,11 +67,10 @@ def broadcast_variables(variables, root_rank: int, name: Optional[str] = None):
     return tf.group(*assigns)
 
 
-def broadcast_(variables, root_rank: int, name: Optional[str] = None, process_set=None):
+def broadcast_(variables, root_rank: int, name: Optional[str] = None, process_set=global_process_set):
     """Horovod's in-place broadcast: assign root_rank's values to `variables` (one
     variable or a list); returns their values as broadcast."""
-    if process_set is not None:
-        raise NotImplementedError("horolite has no process sets")
+    check_process_set(process_set, "broadcast_")
     single = not isinstance(variables, (list, tuple))
     variables = [variables] if single else list(variables)
     op = broadcast_variables(variables, root_rank, name=name or "broadcast_")
@@ -92,8 +95,11 @@ def _sync(fn):
         raise to_tf_error(e) from e
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
-    """Pickle `obj` on root_rank and return a copy on every rank (eager, Python-level)."""
+def broadcast_object(obj: Any, root_rank: int = 0, session=None, name: Optional[str] = None,
+                     process_set=global_process_set) -> Any:
+    """Pickle `obj` on root_rank and return a copy on every rank. It travels in Python,
+    outside any graph, so TF1 code needs no `session` (accepted, as Horovod's keyword)."""
+    check_process_set(process_set, "broadcast_object")
     name = name or "broadcast_object"
     if _core.rank() == root_rank:
         payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
@@ -108,16 +114,17 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
 
 
 def broadcast_object_fn(root_rank: int = 0, session=None, name: Optional[str] = None,
-                        process_set=None):
+                        process_set=global_process_set):
     """Horovod's factory for TF1 code: a function obj -> root_rank's obj. (horolite
     broadcasts objects in Python, so no session is needed; `session` is accepted.)"""
-    if process_set is not None:
-        raise NotImplementedError("horolite has no process sets")
-    return lambda obj: broadcast_object(obj, root_rank, name)
+    check_process_set(process_set, "broadcast_object_fn")
+    return lambda obj: broadcast_object(obj, root_rank, name=name)
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
-    """Every rank's `obj`, as a list indexed by rank."""
+def allgather_object(obj: Any, session=None, name: Optional[str] = None,
+                     process_set=global_process_set) -> List[Any]:
+    """Every rank's `obj`, as a list indexed by rank (`session` accepted, not needed)."""
+    check_process_set(process_set, "allgather_object")
     name = name or "allgather_object"
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     lengths = _sync(lambda: _core.allgather(np.array([payload.size], np.int64), name=f"{name}.length"))

@@ -21,8 +21,8 @@ from horolite.ops import ReduceOp
 
 from .compression import Compression
 from .functions import variable_name, variable_ref
-from .mpi_ops import (_check_op, _enqueue, graph_unique_name, grouped_allreduce_submit,
-                      run_alone, wait)
+from .bridge import _enqueue, graph_unique_name, grouped_allreduce_submit, run_alone, wait
+from .mpi_ops import _check_op
 
 __all__ = ["GradientReducer", "LocalAggregator", "check_arguments"]
 
@@ -152,7 +152,7 @@ class GradientReducer:
         dense = [i for i, g in enumerate(grads)
                  if g is not None and not local[i] and not isinstance(g, tf.IndexedSlices)]
         if sparse and op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"{self.name}: gradients of {[labels[i] for i in sparse]} are tf.IndexedSlices, "
+            raise NotImplementedError(f"{self.name}: gradients of {[labels[i] for i in sparse]} are tf.IndexedSlices, "
                              f"which support only Average and Sum, not {op.name}; "
                              "pass sparse_as_dense=True")
         groups = self._group_indices(dense, variables)

@@ -22,7 +22,8 @@ import horolite as _core
 from horolite.ops import ReduceOp
 
 from .functions import variable_ref
-from .mpi_ops import graph_unique_name, grouped_allreduce, run_alone
+from .api import grouped_allreduce
+from .bridge import graph_unique_name, run_alone
 
 __all__ = ["ModelAverage", "ElasticAverage", "SyncReplicas"]
 

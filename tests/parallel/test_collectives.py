@@ -16,7 +16,7 @@ import horolite as hvd
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 
-DTYPES = ["uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+DTYPES = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 OPS = [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product]
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 3), (1031,)]
 BIG = int(os.environ.get("HOROLITE_TEST_BIG_ELEMENTS", "70001"))
@@ -159,7 +159,7 @@ def test_broadcast_scalar_and_empty():
     assert hvd.broadcast(np.zeros((0, 4)), root_rank=SIZE - 1, name="bc.empty").shape == (0, 4)
 
 
-@pytest.mark.parametrize("dtype", ["uint8", "int64", "float16", "bfloat16", "float32", "bool"])
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "int64", "float16", "bfloat16", "float32", "bool"])
 def test_alltoall_with_splits(dtype):
     # Rank r sends (r + d) % 3 rows to rank d; each row is tagged with sender and destination.
     def splits_of(r):

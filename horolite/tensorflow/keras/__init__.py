@@ -7,22 +7,29 @@
     model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                                hvd.callbacks.MetricAverageCallback()])
 
-The collectives are Python ops, which XLA cannot compile: Keras turns XLA off
-by itself on CPU-only machines; elsewhere pass `jit_compile=False`.
+The collectives are Python ops, which XLA cannot compile: compile() turns XLA off
+(with one warning) for a model whose optimizer is a DistributedOptimizer (see keras_hooks).
 """
 from __future__ import annotations
 
 import tensorflow as tf
 
+from . import keras_hooks
+
+keras_hooks.check_keras_version()
+
 from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
-                      gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
+                      gloo_enabled, is_homogeneous, is_initialized, local_rank, local_size,
                       mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
                       shutdown, size, start_timeline, stop_timeline)
 from horolite.ops import Adasum, Average, Max, Min, Product, Sum
 
-from .. import (Compression, SyncBatchNormalization, _local_layer_variables, allgather,
-                allgather_object, allreduce, broadcast, broadcast_object, broadcast_variables,
-                grouped_allgather, grouped_allreduce, grouped_reducescatter, join, reducescatter)
+from .. import (Compression, ProcessSet, SyncBatchNormalization, _local_layer_variables,
+                add_process_set, allgather_object, broadcast_object, broadcast_variables,
+                check_process_set, global_process_set, grouped_allgather, grouped_allreduce,
+                grouped_reducescatter, init, join, remove_process_set)
+from .. import allgather as _allgather, allreduce as _allreduce, broadcast as _broadcast
+from .. import reducescatter as _reducescatter
 from ..gradients import GradientReducer, LocalAggregator, check_arguments
 from ..wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
                                   SyncReplicasOptimizer)
@@ -36,7 +43,8 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "Max", "Product", "Compression", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "grouped_reducescatter",
            "broadcast", "reducescatter", "join", "broadcast_variables", "broadcast_object", "allgather_object",
            "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization", "load_model", "callbacks", "broadcast_global_variables",
-           "ModelAverageOptimizer", "ElasticAverageOptimizer", "SyncReplicasOptimizer"]
+           "ModelAverageOptimizer", "ElasticAverageOptimizer", "SyncReplicasOptimizer",
+           "ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
 
 class _DistributedMixin:
@@ -79,11 +87,14 @@ class _DistributedMixin:
         tf.cond(ready, do_apply, skip)
 
 
+keras_hooks.install(_DistributedMixin)
+
+
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
                          compression=Compression.none, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=None, groups=None,
-                         process_set=None, scale_local_gradients=True):
+                         process_set=global_process_set, scale_local_gradients=True):
     """Wrap a Keras 3 optimizer so the gradients it applies are reduced over all ranks.
 
     Returns an instance of a subclass of the optimizer's own class with the
@@ -93,8 +104,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     and reduced and applied on every N-th batch; `iterations` still counts
     every batch, as in Horovod.
     """
-    if process_set is not None:
-        raise NotImplementedError("horolite has no process sets")
+    check_process_set(process_set, "DistributedOptimizer")
     check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}", compression,
                               sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
@@ -108,7 +118,7 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
                                 compression=Compression.none, sparse_as_dense=False,
                                 gradient_predivide_factor=1.0, op=Average,
                                 backward_passes_per_step=1, average_aggregated_gradients=False,
-                                num_groups=None, groups=None, process_set=None,
+                                num_groups=None, groups=None, process_set=global_process_set,
                                 local_layers=None, scale_local_gradients=True):
     """DistributedOptimizer whose `local_layers` (model-parallel layers) keep their own
     gradients: every trainable variable of theirs is a registered local variable."""
@@ -137,12 +147,17 @@ def _distributed_class(base: type) -> type:
     return cls
 
 
-def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
+               legacy_opts=False):
     """keras.models.load_model, with the saved optimizer wrapped in DistributedOptimizer.
 
     The optimizer keeps the state it was saved with (iterations, slots), so
     training resumes where it stopped. custom_optimizers: optimizer classes of
-    your own that the file names (added to custom_objects by class name)."""
+    your own that the file names (added to custom_objects by class name).
+    legacy_opts=True (Horovod's tf.keras.optimizers.legacy) is refused: Keras 3 has none."""
+    if legacy_opts:
+        raise NotImplementedError("load_model(legacy_opts=True): Keras 3 has no legacy optimizers "
+                                  "(tf.keras.optimizers.legacy); load with legacy_opts=False")
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects.setdefault(cls.__name__, cls)
@@ -160,3 +175,29 @@ def broadcast_global_variables(root_rank):
     raise RuntimeError("Keras 3 has no global variables: use "
                        "broadcast_variables(model.variables, root_rank) or "
                        "callbacks.BroadcastGlobalVariablesCallback(root_rank)")
+
+
+def _value(value, name):
+    return value if isinstance(value, (tf.Tensor, tf.Variable)) else tf.constant(value, name=name)
+
+
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+              compression=Compression.none):
+    """Horovod's Keras allreduce of a value (a NumPy array, number or tensor)."""
+    return _allreduce(_value(value, name), average=average, prescale_factor=prescale_factor,
+                      postscale_factor=postscale_factor, op=op, compression=compression)
+
+
+def allgather(value, name=None):
+    """Horovod's Keras allgather of a value along its first dimension."""
+    return _allgather(_value(value, name))
+
+
+def broadcast(value, root_rank, name=None):
+    """Horovod's Keras broadcast of a value from root_rank."""
+    return _broadcast(_value(value, name), root_rank)
+
+
+def reducescatter(value, name=None, op=Average):
+    """Horovod's Keras reducescatter of a value."""
+    return _reducescatter(_value(value, name), op=op)

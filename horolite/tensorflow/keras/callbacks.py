@@ -6,11 +6,11 @@ import tensorflow as tf
 
 import horolite as _core
 
-from ..functions import broadcast_variables
+from ..functions import broadcast_variables, variable_ref
 from .model_average import ModelAverageCallback  # local SGD (beyond Horovod)
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "ModelAverageCallback"]
+           "LearningRateWarmupCallback", "BestModelCheckpoint", "ModelAverageCallback"]
 
 keras = tf.keras
 
@@ -18,16 +18,32 @@ keras = tf.keras
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Broadcast the model's and the optimizer's variables from root_rank when training
     begins, so every rank starts from the same state (again after the first batch if the
-    optimizer only built its variables then)."""
+    optimizer only built its variables then). `local_variables` (or `register_local_var`)
+    are left alone, as in Horovod."""
 
-    def __init__(self, root_rank: int, device: str = ""):
+    def __init__(self, root_rank: int, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
+        self.device = device
         self.broadcast_done = False
         self._optimizer_vars = 0
+        self._local_refs = set()
+        if local_variables is None:
+            local_variables = []
+        elif variable_ref(local_variables) is not None:
+            local_variables = [local_variables]
+        for var in local_variables:
+            self.register_local_var(var)
+
+    def register_local_var(self, var):
+        """`var` is this worker's own: it is not broadcast."""
+        ref = variable_ref(var)
+        if ref is None:
+            raise ValueError(f"All local variables must be variables, not {type(var).__name__}")
+        self._local_refs.add(ref)
 
     def _broadcast(self):
-        variables = list(self.model.variables)
+        variables = [v for v in self.model.variables if variable_ref(v) not in self._local_refs]
         opt = getattr(self.model, "optimizer", None)
         opt_vars = list(opt.variables) if opt is not None and getattr(opt, "built", False) else []
         broadcast_variables(variables + opt_vars, self.root_rank, name="BroadcastGlobalVariablesCallback")
@@ -42,6 +58,19 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         opt = getattr(self.model, "optimizer", None)
         if batch == 0 and opt is not None and len(opt.variables) != self._optimizer_vars:
             self._broadcast()
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Horovod's: a ModelCheckpoint that keeps only the best model (save_best_only=True).
+    Keras 3 needs a file to save to: `filepath` (horolite's extra keyword, last) defaults
+    to "best_model.keras" ("best_model.weights.h5" with save_weights_only)."""
+
+    def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto",
+                 save_freq="epoch", filepath=None):
+        if filepath is None:
+            filepath = "best_model.weights.h5" if save_weights_only else "best_model.keras"
+        super().__init__(filepath=filepath, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
@@ -63,75 +92,106 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Horovod's schedule: lr = initial_lr * multiplier(epoch) while start_epoch <= epoch
-    < end_epoch (end_epoch None: no end), set when each epoch begins (staircase) or
-    before every batch, the epoch then fractional (epoch + batch / steps_per_epoch,
-    steps_per_epoch taken from fit when not given). `multiplier` is a number or a
-    function of the epoch. The rate is logged as `lr` at each epoch's end.
-    `momentum_correction` is accepted for compatibility; Keras 3 optimizers keep
-    no momentum scaled by the rate, so it has no effect."""
+    < end_epoch (end_epoch None: no end), set before the first batch of each epoch
+    (staircase) or before every batch, the epoch then fractional (epoch + batch /
+    steps_per_epoch, taken from fit when not given). A constant `multiplier` is an
+    exponential decay, `multiplier ** (epoch - start_epoch)`, as in Horovod; a callable is
+    a function of the epoch. The rate is logged as `lr` at each epoch's end.
+
+    momentum_correction (Horovod's, on optimizers with a `momentum`): when the rate changes
+    from old to new, the step taken with the new rate uses momentum * new / old. Keras 3
+    compiles the momentum coefficient into the train step, so horolite scales the
+    optimizer's momentum buffers by new / old instead, which gives the same update for
+    SGD and RMSprop (each multiplies its buffer by the momentum once per step)."""
 
     def __init__(self, initial_lr, multiplier, start_epoch: int = 0, end_epoch=None,
-                 staircase: bool = True, momentum_correction: bool = True, steps_per_epoch=None,
-                 verbose: int = 0, initial_epoch: int = 0):
+                 staircase: bool = True, momentum_correction: bool = True, steps_per_epoch=None):
         super().__init__()
-        self.initial_lr = float(initial_lr)
-        self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
+        if initial_lr is None:
+            raise ValueError("Parameter `initial_lr` is required")
+        self.initial_lr = initial_lr
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.staircase = staircase
+        self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
-        self.verbose = verbose
-        self.current_epoch = initial_epoch
+        self.current_epoch = None
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            self.multiplier = lambda epoch: multiplier ** (epoch - start_epoch)
 
-    def _active(self, epoch) -> bool:
-        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+    def _autodetect_steps_per_epoch(self):
+        params = self.params or {}
+        if params.get("steps"):
+            return params["steps"]
+        if params.get("samples") and params.get("batch_size"):
+            return params["samples"] // params["batch_size"]
+        raise ValueError("Could not autodetect the number of steps per epoch. Please specify the "
+                         f"steps_per_epoch parameter to the {type(self).__name__}().")
 
-    def lr_at(self, epoch: float) -> float:
-        return self.initial_lr * float(self.multiplier(epoch))
+    def _adjust_learning_rate(self, epoch):
+        opt = self.model.optimizer
+        old_lr = float(opt.learning_rate.numpy())
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        opt.learning_rate.assign(new_lr)
+        if self.momentum_correction and getattr(opt, "momentum", 0) and old_lr > 0 and new_lr != old_lr:
+            _scale_momentum_buffers(opt, new_lr / old_lr)
 
     def on_train_begin(self, logs=None):
-        if self.steps_per_epoch is None:
-            self.steps_per_epoch = self.params.get("steps") if self.params else None
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = self._autodetect_steps_per_epoch()
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
-        if self.staircase and self._active(epoch):
-            self.model.optimizer.learning_rate.assign(self.lr_at(epoch))
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self.staircase or not self._active(self.current_epoch):
+        epoch = self.current_epoch
+        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
             return
-        steps = self.steps_per_epoch or 1
-        self.model.optimizer.learning_rate.assign(self.lr_at(self.current_epoch + float(batch) / steps))
+        if self.staircase and batch == 0:
+            self._adjust_learning_rate(epoch)
+        elif not self.staircase:
+            self._adjust_learning_rate(epoch + float(batch) / self.steps_per_epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs["lr"] = float(self.model.optimizer.learning_rate.numpy())
 
 
+def _scale_momentum_buffers(opt, factor: float) -> None:
+    """Multiply the optimizer's momentum buffers by factor (see LearningRateScheduleCallback)."""
+    buffers = getattr(opt, "momentums", None) or getattr(opt, "_momentums", None) or []
+    if not buffers and opt.built:
+        raise NotImplementedError(
+            f"momentum_correction: {type(opt).__name__} has a momentum but no momentum buffers "
+            "horolite knows (SGD's `momentums`, RMSprop's `_momentums`); pass momentum_correction=False")
+    for buf in buffers:
+        buf.assign(buf * tf.cast(factor, buf.dtype))
+
+
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
-    """Horovod's warmup: over `warmup_epochs`, the learning rate grows from
-    initial_lr / size to initial_lr, adjusted every batch
-    (lr = initial_lr / size * (epoch * (size - 1) / warmup_epochs + 1), epoch fractional),
-    and is initial_lr from then on.
+    """Horovod's warmup: over `warmup_epochs`, the learning rate grows from about
+    initial_lr / size to initial_lr, set before every batch: lr = initial_lr / size *
+    (e * (size - 1) / warmup_epochs + 1) with e = epoch + (batch + 1) / steps_per_epoch,
+    so the last batch of the warmup uses initial_lr itself.
 
     `initial_lr` is the target rate, usually already scaled by size().
     """
 
     def __init__(self, initial_lr, warmup_epochs: int = 5, momentum_correction: bool = True,
-                 steps_per_epoch=None, verbose: int = 0, initial_epoch: int = 0):
+                 steps_per_epoch=None, verbose: int = 0):
         def multiplier(epoch):
+            epoch += 1.0 / self.steps_per_epoch
             n = _core.size()
             return 1.0 / n * (epoch * (n - 1) / warmup_epochs + 1)
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
                          staircase=False, momentum_correction=momentum_correction,
-                         steps_per_epoch=steps_per_epoch, verbose=verbose,
-                         initial_epoch=initial_epoch)
-        self.warmup_epochs = warmup_epochs
+                         steps_per_epoch=steps_per_epoch)
+        self.verbose = verbose
 
     def on_epoch_end(self, epoch, logs=None):
-        if epoch == self.warmup_epochs - 1:
-            self.model.optimizer.learning_rate.assign(self.initial_lr)
-            if self.verbose and _core.rank() == 0:
-                print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {self.initial_lr:g}.")
         super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and _core.rank() == 0:
+            new_lr = float(self.model.optimizer.learning_rate.numpy())
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {new_lr:g}.")

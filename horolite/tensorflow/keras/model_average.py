@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from ..mpi_ops import grouped_allreduce
+from ..api import grouped_allreduce
 from horolite.ops import ReduceOp
 
 __all__ = ["ModelAverageCallback"]

@@ -1,0 +1,297 @@
+"""The bridge between TensorFlow and the runtime: an enqueue op and a wait op.
+
+Every collective is split into an *enqueue* op, which hands the NumPy array to
+the runtime (`horolite.*_async`) and returns at once with an int64 handle id,
+and a *wait* op, which returns the result once the handle is done. The enqueue
+op is a `tf.numpy_function` marked stateful, so it runs eagerly, inside
+`tf.function` and in TF1 graphs alike, with pip alone. In graphs the wait op is
+the small native asynchronous op of `native_ops` when it could be built (it
+holds no TensorFlow thread while it waits, and raises TensorFlow's error class
+for the runtime's error); otherwise a blocking `tf.numpy_function`.
+
+Splitting matters inside graphs: a caller that reduces many tensors (the
+gradient tape, the optimizers) makes every wait op depend on *all* enqueue ops
+of the step. Enqueues never block, so no TensorFlow thread can sit in a wait
+while a tensor that another rank is waiting for still needs a thread to be
+enqueued: no cross-rank deadlock whatever order TensorFlow schedules in.
+
+On a GPU job (NCCL up on every rank) the two ops are `tf.py_function`s instead,
+so GPU tensors reach the runtime through DLPack and travel over NCCL without a
+host copy; host tensors in the same job still go through NumPy.
+
+Names: an explicit name is used as given in eager mode; in graphs it is made
+unique within the graph (`graph.unique_name`), and a missing name is derived
+from the input tensor's name there, so ranks that build the same graph agree.
+In eager mode a missing name falls back to the runtime's per-kind counters
+(ranks must then call in the same order, as in Horovod).
+"""
+
+import itertools
+import threading
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+import horolite as _core
+from horolite.collectives import _grouped_allreduce_async
+from horolite.errors import HorovodInternalError, NotInitializedError
+from horolite.ops import Average, ReduceOp
+
+from . import native_ops
+
+__all__ = ["enqueue_allreduce", "enqueue_grouped_allreduce", "grouped_allreduce_submit", "wait",
+           "run_alone", "to_tf_error", "graph_unique_name"]
+
+# handle id -> horolite.Handle, between an enqueue op and its wait op.
+_handles = {}
+_handles_lock = threading.Lock()
+_ids = itertools.count(1)
+
+
+def _store(handle) -> np.int64:
+    hid = next(_ids)
+    with _handles_lock:
+        _handles[hid] = handle
+    return np.int64(hid)
+
+
+def _take(hid):
+    with _handles_lock:
+        return _handles.pop(int(hid))
+
+
+def to_tf_error(exc: BaseException) -> Exception:
+    """The TensorFlow error Horovod raises for a runtime error, with the message (naming
+    the tensor): FailedPreconditionError for ranks that disagree (and duplicate names),
+    InvalidArgumentError for bad arguments, AbortedError for a shutdown or stall.
+
+    Eagerly the ops raise it themselves; in graphs the native wait op raises the same
+    class. Without the native op, a Python op's error class is TensorFlow's choice
+    (ValueError -> InvalidArgumentError, anything else -> UnknownError).
+    """
+    cls = _ERROR_CLASSES.get(native_ops.error_code(exc), tf.errors.UnknownError)
+    return cls(None, None, f"{type(exc).__name__}: {exc}")
+
+
+_ERROR_CLASSES = {3: tf.errors.InvalidArgumentError, 9: tf.errors.FailedPreconditionError,
+                  10: tf.errors.AbortedError, 2: tf.errors.UnknownError}
+
+
+def _guarded(fn: Callable) -> Callable:
+    """fn for an eager call, raising TensorFlow's error classes (see to_tf_error)."""
+    def run(*args):
+        try:
+            return fn(*args)
+        except (HorovodInternalError, NotInitializedError) as e:
+            raise to_tf_error(e) from e
+    return run
+
+
+# ---------------------------------------------------------------- naming ----
+
+def _normalize(name: str) -> str:
+    return name.replace(":", "_").replace("/", "_")
+
+
+def graph_unique_name(base: str) -> str:
+    """A name unique in the current graph (deterministic given the same graph construction)."""
+    graph = tf.compat.v1.get_default_graph()
+    name = graph.unique_name(base, mark_as_used=True)
+    outer = getattr(graph, "name", None) if hasattr(graph, "outer_graph") else None
+    return f"{outer}/{name}" if outer else name
+
+
+def _resolve_name(name: Optional[str], prefix: str, tensor) -> Optional[str]:
+    if tf.executing_eagerly():
+        return name  # None: the runtime's deterministic counters
+    if name is None:
+        tname = getattr(tensor, "name", None) or "tensor"
+        name = f"{prefix}_{_normalize(tname)}"
+    return graph_unique_name(name)
+
+
+# ---------------------------------------------------- the enqueue/wait ops ----
+
+def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor], copy: bool = True):
+    """Run `submit(*arrays) -> Handle` as an op; returns the int64 handle id (a Python int eagerly).
+
+    copy=False only for a submit that copies what it keeps itself (a grouped
+    allreduce packs its members, see collectives._grouped_allreduce_async)."""
+    # Copy: the runtime keeps the array after this op returns, and must never
+    # hold (or be the last to release) memory that TensorFlow owns.
+    if _nccl_active():
+        # GPU job: tf.py_function hands over the tensors where they live, and GPU
+        # tensors go to the runtime through DLPack, so they travel over NCCL.
+        def fn(*ts):
+            return _store(submit(*[_to_runtime(t) for t in ts]))
+        if tf.executing_eagerly():
+            return _guarded(fn)(*tensors)
+        hid = tf.py_function(fn, list(tensors), tf.int64, name="HorolitEnqueue")
+    elif tf.executing_eagerly():
+        def fn(*arrays):
+            return _store(submit(*([np.array(a, copy=True) for a in arrays] if copy else arrays)))
+        return _guarded(fn)(*[t.numpy() for t in tensors])
+    else:
+        native = native_ops.load()
+
+        def fn(*arrays):
+            arrays = [np.array(a, copy=True) for a in arrays] if copy else arrays
+            if native is None:
+                return _store(submit(*arrays))
+            return _submit_native(native, submit, arrays)
+        hid = tf.numpy_function(fn, list(tensors), tf.int64, stateful=True, name="HorolitEnqueue")
+    hid.set_shape([])
+    return hid
+
+
+def _submit_native(native, submit: Callable, arrays) -> np.int64:
+    """Submit for the native wait op: the handle's results (or the error, even one raised
+    at submission) reach the op through native.complete/fail."""
+    hid = next(_ids)
+    try:
+        handle = submit(*arrays)
+    except (HorovodInternalError, NotInitializedError) as e:
+        native.fail(hid, e)
+        return np.int64(hid)
+
+    def deliver(h):
+        try:
+            result = h.result()
+        except BaseException as e:  # the runtime's error travels to the wait op
+            native.fail(hid, e)
+            return
+        if isinstance(result, (list, tuple)):
+            arrays, dims = list(result), h.first_dims
+        else:
+            arrays, dims = [result], None if h.first_dims is None else [h.first_dims]
+        if dims is not None:  # allgathers: every rank's first dimension too (see wait)
+            arrays += [np.asarray(d, np.int64) for d in dims]
+        native.complete(hid, [np.asarray(a) for a in arrays])
+    handle.add_done_callback(deliver)
+    return np.int64(hid)
+
+
+def _nccl_active() -> bool:
+    """True when the runtime moves device arrays over NCCL (every rank has a GPU)."""
+    try:
+        return _core.basics.runtime().nccl is not None
+    except NotInitializedError:
+        return False
+
+
+def _to_runtime(t: tf.Tensor):
+    """A GPU tensor as a CuPy copy made on the device (DLPack view, then a device copy:
+    TensorFlow may reuse the tensor's memory once the op returns); a host tensor as a
+    NumPy copy."""
+    if "GPU" in (t.device or ""):
+        from horolite.device import tf_to_cupy
+        return tf_to_cupy(t).copy()
+    return np.array(t.numpy(), copy=True)
+
+
+def _from_runtime(result, dtype: tf.DType) -> tf.Tensor:
+    if hasattr(result, "__cuda_array_interface__"):
+        from horolite.device import cupy_to_tf
+        return tf.cast(cupy_to_tf(result), dtype)
+    return tf.convert_to_tensor(np.asarray(result).astype(dtype.as_numpy_dtype, copy=False))
+
+
+def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence, with_rows: bool = False) -> List[tf.Tensor]:
+    """The wait op: synchronize handle `hid`; returns one tensor per dtype.
+
+    with_rows (allgathers): then also, per result, every rank's first dimension
+    (int64, in rank order), which the gradient needs to find this rank's rows.
+    """
+    np_dtypes = [d.as_numpy_dtype for d in dtypes]
+    if with_rows:
+        shapes = list(shapes) + [[_core.size()]] * len(dtypes)
+        all_dtypes = list(dtypes) + [tf.int64] * len(dtypes)
+    else:
+        all_dtypes = list(dtypes)
+
+    def results(h):
+        handle = _take(h)
+        result = handle.result()
+        if not isinstance(result, (list, tuple)):
+            result, dims = [result], [handle.first_dims]
+        else:
+            dims = handle.first_dims
+        return result, ([np.asarray(d, np.int64) for d in dims] if with_rows else [])
+
+    def fetch(h):
+        result, rows = results(h)
+        return [np.asarray(r).astype(d, copy=False) for r, d in zip(result, np_dtypes)] + rows
+
+    if _nccl_active():
+        def fetch_tensors(h):
+            result, rows = results(int(h))
+            return [_from_runtime(r, d) for r, d in zip(result, dtypes)] + \
+                [tf.constant(r) for r in rows]
+
+        if tf.executing_eagerly():
+            return _guarded(fetch_tensors)(hid)
+        outs = tf.py_function(fetch_tensors, [hid], all_dtypes, name="HorolitWait")
+        for out, shape in zip(outs, shapes):
+            out.set_shape(shape)
+        return list(outs)
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(r) for r in _guarded(fetch)(hid)]
+    native = native_ops.load()
+    if native is not None:
+        outs = native.op(hid, all_dtypes)
+    else:
+        outs = tf.numpy_function(fetch, [hid], all_dtypes, stateful=True, name="HorolitWait")
+    for out, shape in zip(outs, shapes):
+        out.set_shape(shape)
+    return list(outs)
+
+
+def _run(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes) -> List[tf.Tensor]:
+    return wait(_enqueue(submit, tensors), dtypes, shapes)
+
+
+def run_alone(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes,
+              copy: bool = True) -> List[tf.Tensor]:
+    """Submit and wait in one op, for a collective that is the only one its graph
+    waits on (a gradient reducer's single request of a step), so no other enqueue
+    can be held up behind its wait. One Python op instead of two saved 0.3 ms a
+    step on this VM after a compute-heavy step. GPU jobs and eager calls keep the
+    enqueue/wait pair. (TensorFlow converts what fn returns to `dtypes` itself.)"""
+    if tf.executing_eagerly() or _nccl_active() or native_ops.load() is not None:
+        return wait(_enqueue(submit, tensors, copy), dtypes, shapes)
+
+    def fn(*arrays):
+        if copy:
+            arrays = [np.array(a, copy=True) for a in arrays]
+        return submit(*arrays).result()
+
+    outs = tf.numpy_function(fn, list(tensors), list(dtypes), stateful=True, name="HorolitCollective")
+    for out, shape in zip(outs, shapes):
+        out.set_shape(shape)
+    return outs
+
+
+def enqueue_allreduce(tensor: tf.Tensor, name: Optional[str], op=Average,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0):
+    """Enqueue op only (pair it with `wait(hid, [tensor.dtype], [tensor.shape])`)."""
+    op, pre, post = ReduceOp(op), float(prescale_factor), float(postscale_factor)
+    return _enqueue(lambda a: _core.allreduce_async(a, op, name, pre, post), [tensor])
+
+
+def enqueue_grouped_allreduce(tensors: Sequence[tf.Tensor], name: Optional[str], op=Average,
+                              prescale_factor: float = 1.0, postscale_factor: float = 1.0):
+    """One enqueue op for a group: it runs once every tensor exists, and they fuse together."""
+    submit, copy = grouped_allreduce_submit(name, op, prescale_factor, postscale_factor)
+    return _enqueue(submit, list(tensors), copy)
+
+
+def grouped_allreduce_submit(name: Optional[str], op=Average, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0):
+    """(submit, copy) for _enqueue or run_alone: a group's arrays into one request."""
+    op, pre, post = ReduceOp(op), float(prescale_factor), float(postscale_factor)
+    # Host path: no copy of every tensor first, packing the group is the copy
+    # (borrowed). The GPU path's _to_runtime copies every tensor already.
+    borrowed = not _nccl_active()
+    return (lambda *a: _grouped_allreduce_async(list(a), op, name, pre, post, borrowed=borrowed),
+            not borrowed)
