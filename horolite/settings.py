@@ -155,6 +155,14 @@ SETTINGS: Tuple[Setting, ...] = (
             "the GPU of each rank: unset `local_rank % visible devices`, `N` device N, `A,B,...` "
             "entry `local_rank % len(list)` (see GPUs)",
             "gpu_device"),
+    Setting("TF_NATIVE_OPS", bool, True,
+            "`horolite.tensorflow`: wait on collectives in a small native TensorFlow op, built "
+            "on first use (Horovod's error classes; TF1 sessions cannot deadlock); `0` keeps "
+            "the Python ops",
+            "tf_native_ops"),
+    Setting("TF_OPS_CACHE", str, "",
+            "where that op is built and kept (default `~/.cache/horolite/tf_ops`)",
+            "tf_ops_cache"),
     Setting("START_TIMEOUT", float, 30.0,
             "horolite-run: seconds every rank has to start before the job is stopped",
             flag="--start-timeout", scope="launcher"),
