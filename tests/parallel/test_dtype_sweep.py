@@ -14,7 +14,8 @@ hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 
 # The dtypes the runtime is expected to take: extend these lists when it takes more.
-REDUCIBLE = ["uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+REDUCIBLE = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+             "float64"]
 MOVABLE = REDUCIBLE + ["bool"]
 
 
