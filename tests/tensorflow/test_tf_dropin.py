@@ -256,10 +256,11 @@ def dense_model(keras):
     return model
 
 
-# A LossScaleOptimizer around a DistributedOptimizer hangs in fit() on 3 and more ranks (it
-# trains on 1 and 2): known, not yet understood; docs/migrating.md says to nest the other way.
+# A LossScaleOptimizer around a DistributedOptimizer can hang in fit() on 2 and more ranks
+# (seen at 2, 3 and 4): known, not yet understood; docs/migrating.md says to nest it the
+# other way.
 LOSS_SCALE_OUTSIDE_HANGS = pytest.mark.skipif(
-    N > 2, reason="LossScaleOptimizer(DistributedOptimizer(...)) hangs in fit() on 3+ ranks")
+    N > 1, reason="LossScaleOptimizer(DistributedOptimizer(...)) can hang in fit() on 2+ ranks")
 
 
 @pytest.mark.parametrize("nesting", ["distributed_outside",
