@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from .process_hooks import exit_now
+
 __all__ = ["Notice", "FailureChannel", "PeerFailure", "describe_exception", "where_raised",
            "caused_by_peer", "hard_exit_after", "launcher_marker", "signal_name"]
 
@@ -195,12 +197,7 @@ def hard_exit_after(seconds: float, code: int, why: str) -> threading.Event:
         if cancel.wait(seconds):
             return
         _log.error("%s: ending this process now (exit code %d)", why, code)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code)
+        exit_now(code)
     threading.Thread(target=run, name="horolite-hard-exit", daemon=True).start()
     return cancel
 

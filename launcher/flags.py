@@ -54,8 +54,11 @@ def _value_type(kind, unit: str):
         return lambda text: str(text).upper() if kind[0].isupper() else str(text).lower()
     if kind is str:
         return str
-    number = float if unit == "MiB" else kind
+    return non_negative(float if unit == "MiB" else kind)
 
+
+def non_negative(number):
+    """An argparse type: `number(text)`, refused when it does not parse or is negative."""
     def parse(text):
         try:
             value = number(text)

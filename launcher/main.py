@@ -69,19 +69,6 @@ def _positive_int(text):
     return value
 
 
-def _non_negative(kind):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{text} must not be negative")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def get_args_parser(environ: Optional[Mapping[str, str]] = None) -> argparse.ArgumentParser:
     """horovodrun's flags (tunables from horolite.settings) and horolite-run's own.
 
@@ -111,7 +98,7 @@ def get_args_parser(environ: Optional[Mapping[str, str]] = None) -> argparse.Arg
     hosts = g.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default: localhost:NP)")
     hosts.add_argument("-hostfile", "--hostfile", help="file of 'host slots=N' lines")
-    g.add_argument("--start-timeout", type=_non_negative(float),
+    g.add_argument("--start-timeout", type=flags.non_negative(float),
                    help="seconds every rank has to start before the job is abandoned "
                         "(default 30, or HOROLITE_START_TIMEOUT)")
     g.add_argument("--network-interface", "--network-interfaces", dest="network_interface",
