@@ -33,6 +33,7 @@ _log = logging.getLogger("horolite.failure")
 
 _TAG = 18
 _ACK_TAG = 19
+_RELEASE_TAG = 20
 NOTICE_BYTES = 4096
 # How long a failing rank waits for the others to confirm its notice (a running peer
 # does within a few milliseconds; a frozen one never does).
@@ -128,10 +129,31 @@ class FailureChannel:
         requests = [self.comm.Irecv(acks[i:i + 1], source=q, tag=_ACK_TAG)
                     for i, q in enumerate(peers)]
         requests += [self.comm.Isend(data, dest=q, tag=_TAG) for q in peers]
-        deadline = time.monotonic() + ACK_SECONDS
-        while not MPI.Request.Testall(requests) and time.monotonic() < deadline:
-            time.sleep(0.002)
+        _wait_until(requests, time.monotonic() + ACK_SECONDS)
+        # Every peer has reported it: they may end now (await_release). Until then one
+        # ending early would make mpirun kill the others before they had said why.
+        release = [self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=q, tag=_RELEASE_TAG)
+                   for q in peers]
+        _wait_until(release, time.monotonic() + 0.5)
         return True
+
+    def await_release(self) -> None:
+        """Before this rank ends because of another rank's notice: wait (up to
+        ACK_SECONDS) until that rank has heard every peer confirm it."""
+        if self.heard is None or self.heard.rank == self.rank:
+            return
+        flag = np.zeros(1, dtype=np.uint8)
+        request = self.comm.Irecv(flag, source=self.heard.rank, tag=_RELEASE_TAG)
+        if not _wait_until([request], time.monotonic() + ACK_SECONDS + 0.5):
+            request.Cancel()
+
+
+def _wait_until(requests, deadline: float) -> bool:
+    while not MPI.Request.Testall(requests):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 def where_raised(tb) -> str:

@@ -34,6 +34,7 @@ class JobEnd:
     def report_exception(self, exc: BaseException, tb) -> None:
         """An uncaught exception is ending this process (main thread): tell the others."""
         if caused_by_peer(exc) or self.doomed is not None:
+            self.failures.await_release()  # so that no peer is killed before it reports
             return  # the cause is elsewhere, and already reported
         text = f"{self.failures.where(self.rank)} failed: {describe_exception(exc, tb)}"
         launcher_marker("cause", rank=self.rank, code=1, text=text)

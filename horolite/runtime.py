@@ -33,6 +33,7 @@ from .tensor_queue import Entry, TensorQueue
 from .timeline import open_timeline
 from .transport.mpi import MPITransport, oversubscribed
 from .transport.shared_memory import open_shared_memory
+from .shm_files import report_to_launcher as report_shm_files
 from .transport.hierarchical import open_hierarchical
 from .transport.nccl import create_nccl_transport
 
@@ -128,6 +129,7 @@ class Runtime(JobEnd):
         _log.info("horolite runtime up: rank %d of %d on %s (local %d/%d)%s", self.rank,
                   self.size, self.topology.hostname, self.topology.local_rank,
                   self.topology.local_size, ", polling MPI" if polite else ", blocking in MPI")
+        report_shm_files(self.rank)
         _log.info("rank %d: allreduce %s", self.rank,
                   "through shared memory (every rank on this host)" if shared is not None
                   else "over the ring of MPI messages")

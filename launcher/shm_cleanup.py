@@ -6,7 +6,8 @@ left behind (megabytes each) by a rank that is killed or skips it. Only files th
 the job's own processes had mapped are ever removed: the supervisor reads
 ``/proc/<pid>/maps`` of every process below its mpirun while the job runs, and
 removes those created after the job started, so another job's segments on the same
-host are never touched.
+host are never touched. Ranks also report their files themselves right after ``init()``
+(horolite/shm_files.py), so a job that fails between two samples loses nothing.
 """
 from __future__ import annotations
 
@@ -14,29 +15,9 @@ import os
 import time
 from typing import Iterable, List, Set
 
+from horolite.shm_files import SHM_DIR, mapped_shm_files
+
 __all__ = ["ShmLeftovers"]
-
-SHM_DIR = "/dev/shm/"
-
-
-def mapped_shm_files(pid: int) -> Set[str]:
-    """Paths under /dev/shm that process `pid` has mapped (empty if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/maps", "rb") as f:
-            text = f.read()
-    except OSError:
-        return set()
-    if SHM_DIR.encode() not in text:
-        return set()
-    found = set()
-    for line in text.splitlines():
-        at = line.find(SHM_DIR.encode())
-        if at >= 0:
-            path = line[at:].decode(errors="replace")
-            if path.endswith(" (deleted)"):
-                continue  # already unlinked
-            found.add(path)
-    return found
 
 
 class ShmLeftovers:
@@ -49,6 +30,10 @@ class ShmLeftovers:
     def scan(self, pids: Iterable[int]) -> None:
         for pid in list(pids):
             self.seen |= mapped_shm_files(pid)
+
+    def reported(self, paths: Iterable[str]) -> None:
+        """Files a rank on this host said it maps (its ``shm`` marker, horolite/shm_files.py)."""
+        self.seen |= {p for p in paths if p.startswith(SHM_DIR)}
 
     def remove_leftovers(self) -> List[str]:
         """Unlink the files still there (the job's processes are gone); returns them."""

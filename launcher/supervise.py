@@ -21,6 +21,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -237,7 +238,9 @@ class Supervisor:
             except queue.Empty:
                 kind, fields = None, None
             now = time.monotonic()
-            if kind in _RUNTIME_MARKERS:
+            if kind == "shm":
+                self._shm_report(fields)
+            elif kind in _RUNTIME_MARKERS:
                 if self._runtime_report(kind, fields) and stop_at is None and kill_at is None:
                     self._hydra_noise_expected.set()
                     stop_at = now + self.fail_grace
@@ -287,7 +290,9 @@ class Supervisor:
             t.join(timeout=2.0)
         while not self.events.empty():
             kind, fields = self.events.get_nowait()
-            if kind in _RUNTIME_MARKERS:
+            if kind == "shm":
+                self._shm_report(fields)
+            elif kind in _RUNTIME_MARKERS:
                 self._runtime_report(kind, fields)
             elif kind in ("start", "exit"):
                 self._record(kind, fields)
@@ -302,6 +307,11 @@ class Supervisor:
             self._log(f"removed {len(removed)} shared-memory segment(s) the job left in "
                       f"/dev/shm: {', '.join(os.path.basename(p) for p in removed)}")
         return result
+
+    def _shm_report(self, fields) -> None:
+        """A rank's own list of its /dev/shm files; those of other hosts are not ours."""
+        if fields.get("host") == socket.gethostname():
+            self.shm.reported(fields.get("text", "").split())
 
     def _runtime_report(self, kind, fields) -> bool:
         """A rank's own account (horolite/failure.py): True when it ends the job."""
