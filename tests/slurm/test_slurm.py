@@ -9,7 +9,6 @@ sbatch/salloc running horolite-run (ranks and hosts from the allocation), srun
 straight into the ranks (--mpi=pmi2), the singleton trap (srun without PMI),
 scancel of a running job, and a failing rank named in the job's output.
 """
-import json
 import os
 import re
 import shlex
@@ -25,14 +24,8 @@ RANK_JOB = os.path.join(HERE, "rank_job.py")
 LAUNCHER = f"{shlex.quote(sys.executable)} -m horolite.launcher"
 PYTHON = shlex.quote(sys.executable)
 
-
-def marks(outdir):
-    found = {}
-    for name in os.listdir(outdir):
-        if name.endswith(".json"):
-            with open(os.path.join(outdir, name)) as f:
-                found[int(name[:-5])] = json.load(f)
-    return found
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "launcher"))
+from launcher_util import marks  # noqa: E402
 
 
 def check_ranks(outdir, size):
