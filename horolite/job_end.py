@@ -72,8 +72,9 @@ class JobEnd:
         self._doom(error)
 
     def _doom(self, error: BaseException) -> None:
-        self._fail_pending(error)
+        # Doomed first: user code woken by the failed handles must see the cause is known.
         self.doomed = self.doomed or error
+        self._fail_pending(error)
         if self._hard_exit is None:
             self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}")
 
