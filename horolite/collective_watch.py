@@ -88,5 +88,7 @@ class CollectiveWatch:
 
     def silence_text(self, silent) -> str:
         """'no word from rank 2 (host node2), rank 3 (host node2) for 12 s'."""
-        return (f"no word from {self.peers_text(sorted(silent))} for "
-                f"{min(silent.values()):.0f} s")
+        text = f"no word from {self.peers_text(sorted(silent))} for {min(silent.values()):.0f} s"
+        gone = self.heartbeat.gone() if self.heartbeat is not None else {}
+        return text + "".join(f"; rank {q}'s process ({pid}) is gone" for q, pid in
+                              sorted(gone.items()) if q in silent)

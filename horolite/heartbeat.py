@@ -8,16 +8,22 @@ CollectiveWatch) and notes when it last heard each peer. A stall past the
 shutdown time then names the peers not heard from: a frozen rank, or every rank
 of a host whose link is down. Non-blocking throughout: one receive stays posted
 per peer, and a peer whose previous message is still unsent gets no new one.
+
+A peer on this host can also be looked up directly: a process killed by SIGKILL
+is gone from the process table at once, before anything times out. Where the
+launcher then stops the other ranks with SIGTERM (Open MPI's does; MPICH's kills
+them outright), the rank stopped says which peer went first.
 """
 from __future__ import annotations
 
+import os
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Heartbeat", "INTERVAL", "SILENT_AFTER"]
+__all__ = ["Heartbeat", "INTERVAL", "SILENT_AFTER", "processes_gone"]
 
 _TAG = 21
 # Seconds between two messages to a peer, and between two looks at the receives.
@@ -31,10 +37,13 @@ SILENT_AFTER = 2.5 * INTERVAL
 class Heartbeat:
     """Sends and hears the beats (background thread only); `silent()` names who is quiet."""
 
-    def __init__(self, comm: MPI.Comm):
+    def __init__(self, comm: MPI.Comm, hostnames: List[str]):
         self.comm = comm.Dup()
         self.rank = comm.Get_rank()
         self.peers = [q for q in range(comm.Get_size()) if q != self.rank]
+        # Every rank's process id, for the peers on this host (gone()).
+        pids = comm.allgather(os.getpid())
+        self.pids_here = {q: pids[q] for q in self.peers if hostnames[q] == hostnames[self.rank]}
         now = time.monotonic()
         self.last_heard: Dict[int, float] = {q: now for q in self.peers}
         self._byte = np.zeros(1, dtype=np.uint8)
@@ -76,6 +85,11 @@ class Heartbeat:
         self._hear(now)
         return {q: now - t for q, t in self.last_heard.items() if now - t > SILENT_AFTER}
 
+    def gone(self) -> Dict[int, int]:
+        """{peer: pid} of the peers on this host whose process is no longer running."""
+        dead = set(processes_gone(self.pids_here.values()))
+        return {q: pid for q, pid in self.pids_here.items() if pid in dead}
+
     def close(self) -> None:
         """Every rank stopping together: drop the posted receives, let the sends go."""
         for r in self._recvs:
@@ -95,3 +109,18 @@ class Heartbeat:
             self.comm.Free()
         except MPI.Exception:
             pass
+
+
+def processes_gone(pids: Iterable[int]) -> List[int]:
+    """The pids (of this PID namespace) that no longer run: absent, or zombies."""
+    gone = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            gone.append(pid)
+            continue
+        if state in (b"Z", b"X"):
+            gone.append(pid)
+    return gone

@@ -88,9 +88,10 @@ class Runtime(JobEnd):
                                     enabled=cfg.shared_memory)
         # Failures and stalls (failure.py, collective_watch.py): every wait on other ranks
         # hears another rank's failure notice and times itself.
-        self.failures = FailureChannel(comm, comm.allgather(self.topology.hostname))
+        hostnames = comm.allgather(self.topology.hostname)
+        self.failures = FailureChannel(comm, hostnames)
         # Which peers are still heard from (heartbeat.py): what a stall report names.
-        self.heartbeat = (Heartbeat(comm) if self.size > 1 and not cfg.stall_check_disable
+        self.heartbeat = (Heartbeat(comm, hostnames) if self.size > 1 and not cfg.stall_check_disable
                           else None)
         self.watch = CollectiveWatch(self.failures, cfg.stall_check_time_seconds,
                                      cfg.stall_shutdown_time_seconds, not cfg.stall_check_disable,
