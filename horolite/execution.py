@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from . import kernels
-from .errors import HorovodInternalError, InvalidCollectiveError, TensorMismatchError
+from .errors import HorovodInternalError, InvalidCollectiveError, StallError, TensorMismatchError
 from .fusion import plan_spans
 from .handle import Handle
 from .messages import Kind, Response
@@ -184,6 +184,8 @@ class Executor:
                     self._complete(first, batch_entries[0], first.last_joined)
                 else:
                     raise HorovodInternalError(f"unknown collective {first.kind!r}")
+            except StallError:
+                raise  # a peer stopped answering: the whole runtime ends (runtime._loop)
             except HorovodInternalError as e:
                 for resp, entry in zip(batch, batch_entries):
                     self._complete(resp, entry, error=e)

@@ -28,7 +28,7 @@ EXIT_GRACE_SECONDS = 3.0
 
 
 class JobEnd:
-    """Mixed into Runtime: uses its failures (FailureChannel), queue, transport, rank,
+    """Mixed into Runtime: uses its failures (FailureChannel), heartbeat, queue, transport, rank,
     size, doomed, _hard_exit, _exiting and _fail_pending."""
 
     def report_exception(self, exc: BaseException, tb) -> None:
@@ -49,6 +49,13 @@ class JobEnd:
         text = (f"{self.failures.where(self.rank)} was killed by signal {signum} "
                 f"({signal_name(signum)})")
         launcher_marker("cause", rank=self.rank, code=128 + signum, text=text)
+        # A launcher that stops the job after a rank died (Open MPI's: SIGTERM to the
+        # others) makes this signal a consequence: name the peer that went first.
+        gone = self.heartbeat.gone() if self.heartbeat is not None else {}
+        if gone:
+            first = "; ".join(f"{self.failures.where(q)} stopped answering (its process {pid} "
+                              "is gone)" for q, pid in sorted(gone.items()))
+            text = f"{first}; then {text}"
         self.doomed = HorovodInternalError(text)
         self.failures.announce(text)
 
@@ -72,8 +79,9 @@ class JobEnd:
         self._doom(error)
 
     def _doom(self, error: BaseException) -> None:
-        self._fail_pending(error)
+        # Doomed first: user code woken by the failed handles must see the cause is known.
         self.doomed = self.doomed or error
+        self._fail_pending(error)
         if self._hard_exit is None:
             self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}")
 

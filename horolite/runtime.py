@@ -23,6 +23,7 @@ from .control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
 from .collective_watch import CollectiveWatch
 from .errors import ControlMessageError, HorovodInternalError, ShutdownError, StallError
 from .failure import FailureChannel, PeerFailure, launcher_marker
+from .heartbeat import Heartbeat
 from .job_end import JobEnd
 from .execution import Executor
 from .messages import JOIN_NAME, Kind
@@ -87,9 +88,14 @@ class Runtime(JobEnd):
                                     enabled=cfg.shared_memory)
         # Failures and stalls (failure.py, collective_watch.py): every wait on other ranks
         # hears another rank's failure notice and times itself.
-        self.failures = FailureChannel(comm, comm.allgather(self.topology.hostname))
+        hostnames = comm.allgather(self.topology.hostname)
+        self.failures = FailureChannel(comm, hostnames)
+        # Which peers are still heard from (heartbeat.py): what a stall report names.
+        self.heartbeat = (Heartbeat(comm, hostnames) if self.size > 1 and not cfg.stall_check_disable
+                          else None)
         self.watch = CollectiveWatch(self.failures, cfg.stall_check_time_seconds,
-                                     cfg.stall_shutdown_time_seconds, not cfg.stall_check_disable)
+                                     cfg.stall_shutdown_time_seconds, not cfg.stall_check_disable,
+                                     self.heartbeat)
         self.doomed: Optional[BaseException] = None  # set when this process must end
         self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
                                       watch=self.watch, channel=self.failures)
@@ -180,6 +186,8 @@ class Runtime(JobEnd):
                     # Every rank stops at the same agreed cycle, so collective cleanup is safe.
                     self.transport.close()
                     if self.doomed is None:
+                        if self.heartbeat is not None:
+                            self.heartbeat.close()
                         self.failures.close()
                     break
                 if self.queue.has_inflight():
@@ -223,6 +231,8 @@ class Runtime(JobEnd):
         notice = self.failures.check() or self.failures.sent
         if notice is not None:
             raise PeerFailure(notice)
+        if self.heartbeat is not None:
+            self.heartbeat.tick(now)
         if self._mark_cycles:
             self.timeline.instant("CYCLE_START")
         lookup = self.cache.lookup if self.cache.capacity else None

@@ -58,6 +58,13 @@ def test_small_tensors(tmp_path):
     assert any("4 KiB" in t["name"] for t in doc["targets"])
 
 
+def test_heartbeat_cost(tmp_path):
+    doc = run_bench("heartbeat_cost", tmp_path, "--no-plot")
+    for key in ("4KiB_on_s", "4KiB_off_s", "async_on_s", "async_off_s", "tick_idle_s",
+                "tick_look_s"):
+        assert doc["results"][key] > 0, key
+
+
 def test_tf_wait_op(tmp_path):
     pytest.importorskip("tensorflow")
     doc = run_bench("tf_wait_op", tmp_path, "--no-plot")

@@ -113,17 +113,28 @@ def test_stall_shutdown_ends_the_job_at_its_time(tmp_path):
     assert proc.seconds < 30  # the sleeper alone would take 120 s
 
 
-@pytest.mark.parametrize("np_,shared_memory", [(2, "1"), (3, "0")])
-def test_a_frozen_rank_inside_a_collective_is_reported_and_ends_the_job(np_, shared_memory,
-                                                                      tmp_path):
-    proc = run_job("sigstop", np_, tmp_path, env={
+@pytest.mark.parametrize("case,np_,shared_memory", [("sigstop-inside", 2, "1"),
+                                                   ("sigstop-inside", 3, "1"),
+                                                   ("sigstop-inside", 3, "0"),
+                                                   ("sigstop", 3, "0")])
+def test_a_frozen_rank_is_named_on_every_rank_and_ends_the_job(case, np_, shared_memory,
+                                                               tmp_path):
+    # sigstop-inside: frozen while a 32 MB allreduce moves; sigstop: frozen with a tensor its
+    # peers never submit (they wait in the control message). Either way the peers name the
+    # rank they no longer hear from, not the neighbour that waits for it too.
+    proc = run_job(case, np_, tmp_path, env={
         "HOROLITE_SHARED_MEMORY": shared_memory, "HOROLITE_STALL_CHECK_TIME_SECONDS": "1",
         "HOROLITE_STALL_SHUTDOWN_TIME_SECONDS": "3"})
     assert "stopping" in notes(tmp_path, np_ - 1)
     assert proc.returncode != 0
+    silent = re.compile(rf"no word from rank {np_ - 1} \(host {re.escape(HOST)}\) for [34] s "
+                        r"\(HOROLITE_STALL_SHUTDOWN_TIME_SECONDS=3\); shutting the job down")
     for r in range(np_ - 1):
         assert logged(proc.out, r, np_, "has waited 1 s inside a collective"), proc.out[-3000:]
         assert logged(proc.out, r, np_, "stalled inside a collective for 3 s"), proc.out[-3000:]
+        assert any(f"horolite rank {r}/{np_}]" in line and silent.search(line)
+                   for line in proc.out.splitlines()), proc.out[-3000:]
+        assert silent.search(notes(tmp_path, r)), proc.out[-3000:]
     assert proc.seconds < 40
 
 

@@ -39,10 +39,10 @@ _log = logging.getLogger("horolite.transport.hierarchical")
 class Hierarchical:
     """Collectives over a host communicator (`local`) and a cross-host one (`cross`)."""
 
-    def __init__(self, local: MPI.Comm, cross: MPI.Comm, waiter):
+    def __init__(self, local: MPI.Comm, cross: MPI.Comm, waiter, job_rank: int):
         self.local_comm, self.cross_comm = local, cross
-        self.local = Ring(PointToPoint(local, waiter))
-        self.cross = Ring(PointToPoint(cross, waiter))
+        self.local = Ring(PointToPoint(local, _JobRanks(waiter, local.allgather(job_rank))))
+        self.cross = Ring(PointToPoint(cross, _JobRanks(waiter, cross.allgather(job_rank))))
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
         self._waiter = waiter
@@ -100,6 +100,20 @@ def _layout(comm: MPI.Comm, local: MPI.Comm) -> Optional[str]:
     return None
 
 
+class _JobRanks:
+    """The waiter, told the job's rank of the peer waited for (a stall report names job
+    ranks) instead of its number in the host or cross-host communicator."""
+
+    def __init__(self, waiter, ranks: Sequence[int]):
+        self._waiter, self._ranks = waiter, list(ranks)
+
+    def wait(self, req, peer: int = -1) -> None:
+        self._waiter.wait(req, self._ranks[peer] if peer >= 0 else peer)
+
+    def wait_all(self, reqs, peer: int = -1) -> None:
+        self._waiter.wait_all(reqs, self._ranks[peer] if peer >= 0 else peer)
+
+
 def open_hierarchical(comm: MPI.Comm, waiter, allreduce: bool, allgather: bool):
     """(Hierarchical or None for allreduce, the same for allgather). Collective.
 
@@ -116,7 +130,7 @@ def open_hierarchical(comm: MPI.Comm, waiter, allreduce: bool, allgather: bool):
         local.Free()
         return None, None
     cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
-    hier = Hierarchical(local, cross, waiter)
+    hier = Hierarchical(local, cross, waiter, comm.Get_rank())
     _log.info("rank %d: hierarchical allreduce %s, allgather %s (%d hosts x %d ranks)",
               comm.Get_rank(), "on" if allreduce else "off", "on" if allgather else "off",
               hier.cross_size, hier.local_size)

@@ -48,6 +48,19 @@ def misbehave(step):
         handle.result()
 
 
+def big_step(step):
+    """CASE sigstop-inside: every rank reduces 32 MB at step 3; the last one freezes
+    while the data moves (its peers wait for it inside the collective)."""
+    if CASE != "sigstop-inside" or step != 3:
+        return
+    handle = hvd.allreduce_async(np.ones(1 << 22), name="big")
+    if RANK == BAD:
+        time.sleep(0.03)
+        note("stopping")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    handle.result()
+
+
 # What this rank maps from /dev/shm (the MPI library's segments, horolite's window).
 with open(f"/proc/{os.getpid()}/maps") as maps, \
         open(os.path.join(OUTDIR, f"shm.{RANK}"), "w") as out:
@@ -58,6 +71,7 @@ try:
     for step in range(400):
         if RANK == BAD:
             misbehave(step)
+        big_step(step)
         hvd.allreduce(np.full(1 << 12, float(step)), name="grad")
         time.sleep(0.01)
     note("finished")

@@ -1,5 +1,5 @@
-"""Faults of the network between simulated hosts (kill -9 and unreachable hosts are in
-test_multihost_launcher.py)."""
+"""Faults between simulated hosts: a link down for a while or for good, an exception on
+another host (kill -9 and unreachable hosts are in test_multihost_launcher.py)."""
 import os
 import re
 import subprocess
@@ -11,6 +11,7 @@ import pytest
 from jobs import HOROLITE_RUN, ROOT
 
 STEADY = os.path.join(ROOT, "tests", "multihost", "ranks", "steady_allreduce.py")
+PROBE = os.path.join(ROOT, "tests", "launcher_rank", "probe.py")
 
 
 def _wait_for(path, job, seconds=60):
@@ -44,13 +45,17 @@ def test_a_link_down_for_5_seconds_is_survived_with_right_results(bed, no_leftov
     assert max(longest) >= 3.0, out
 
 
-def test_a_host_whose_link_stays_down_ends_the_job_through_stall_detection(bed, no_leftovers,
-                                                                           tmp_path):
+@pytest.mark.parametrize("hosts,env", [
+    ("hl-a:1,hl-b:1,hl-c:2", {}),
+    ("hl-a:2,hl-c:2", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"})], ids=["ring", "hierarchical"])
+def test_a_host_whose_link_stays_down_is_named_by_the_other_hosts_ranks(hosts, env, bed,
+                                                                        no_leftovers, tmp_path):
     ready = str(tmp_path / "ready")
-    job = bed.popen(0, [HOROLITE_RUN, "-H", "hl-a:1,hl-b:1,hl-c:1",
+    job = bed.popen(0, [HOROLITE_RUN, "-H", hosts,
                         "--stall-check-warning-time-seconds", "2",
                         "--stall-check-shutdown-time-seconds", "5", "python", STEADY, "60", ready],
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    env=dict(os.environ, **env))
     try:
         _wait_for(ready, job)
         bed.link("hl-c", up=False)
@@ -64,7 +69,24 @@ def test_a_host_whose_link_stays_down_ends_the_job_through_stall_detection(bed, 
             job.wait()
     assert job.returncode != 0
     assert elapsed < 20, f"{elapsed:.0f}s: not ended by the stall shutdown"
-    # Every rank's control message stalled; it cannot yet say which host stopped answering,
-    # so the message names the stall and the setting that ended the job.
-    assert "stalled inside a collective" in err and "STALL_SHUTDOWN_TIME_SECONDS=5" in err, err
-    assert "job failed:" in err, err
+    # Every rank on the hosts still connected names hl-c's ranks (from their heartbeats),
+    # whichever rank it was waiting for itself.
+    silent = re.compile(r"no word from rank 2 \(host hl-c\), rank 3 \(host hl-c\) for \d+ s "
+                        r"\(HOROLITE_STALL_SHUTDOWN_TIME_SECONDS=5\)")
+    for r in (0, 1):
+        assert any(line.startswith(f"[{r}]") and silent.search(line)
+                   for line in err.splitlines()), err
+    assert re.search(r"horolite-run: job failed: .*no word from rank 2 \(host hl-c\)", err), err
+
+
+def test_an_exception_on_another_host_is_named_on_every_rank(bed, no_leftovers, tmp_path):
+    job = bed.run([HOROLITE_RUN, "-H", "hl-a:1,hl-b:2", "python", PROBE, str(tmp_path),
+                   "--fail-rank", "2", "--fail-how", "raise", "--train", "30"], timeout=120)
+    line = next(i for i, text in enumerate(open(PROBE), 1) if "probe failure on rank" in text)
+    cause = f"rank 2 (host hl-b) failed: RuntimeError: probe failure on rank 2 (probe.py:{line})"
+    for r in (0, 1):
+        assert any(text.startswith(f"[{r}]") and cause in text
+                   for text in job.stderr.splitlines()), job.stderr[-3000:]
+    assert f"horolite-run: job failed: {cause}; ranks stopped as a result: 0, 1" in job.stderr, \
+        job.stderr[-3000:]
+    assert job.returncode == 1

@@ -1,0 +1,126 @@
+"""Which peers are still heard from: a one-byte message to every peer about once a second.
+
+A stall inside a collective or in the per-cycle control message shows only that
+this rank waits; on a ring the rank it waits for may itself be waiting for the
+one that froze. So every rank's background thread sends each peer a tiny message
+every INTERVAL seconds (from its cycle and from inside its waits, via
+CollectiveWatch) and notes when it last heard each peer. A stall past the
+shutdown time then names the peers not heard from: a frozen rank, or every rank
+of a host whose link is down. Non-blocking throughout: one receive stays posted
+per peer, and a peer whose previous message is still unsent gets no new one.
+
+A peer on this host can also be looked up directly: a process killed by SIGKILL
+is gone from the process table at once, before anything times out. Where the
+launcher then stops the other ranks with SIGTERM (Open MPI's does; MPICH's kills
+them outright), the rank stopped says which peer went first.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Iterable, List, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["Heartbeat", "INTERVAL", "SILENT_AFTER", "processes_gone"]
+
+_TAG = 21
+# Seconds between two messages to a peer, and between two looks at the receives.
+INTERVAL = 1.0
+_LOOK_EVERY = 0.2
+# A peer not heard from for this long is silent (a running one sends every INTERVAL;
+# a busy machine may delay one message, not two).
+SILENT_AFTER = 2.5 * INTERVAL
+
+
+class Heartbeat:
+    """Sends and hears the beats (background thread only); `silent()` names who is quiet."""
+
+    def __init__(self, comm: MPI.Comm, hostnames: List[str]):
+        self.comm = comm.Dup()
+        self.rank = comm.Get_rank()
+        self.peers = [q for q in range(comm.Get_size()) if q != self.rank]
+        # Every rank's process id, for the peers on this host (gone()).
+        pids = comm.allgather(os.getpid())
+        self.pids_here = {q: pids[q] for q in self.peers if hostnames[q] == hostnames[self.rank]}
+        now = time.monotonic()
+        self.last_heard: Dict[int, float] = {q: now for q in self.peers}
+        self._byte = np.zeros(1, dtype=np.uint8)
+        self._inbox = np.zeros(len(self.peers), dtype=np.uint8)
+        self._recvs = [self._post(i) for i in range(len(self.peers))]
+        self._sends: List[Optional[MPI.Request]] = [None] * len(self.peers)
+        self._next_look = now
+        self._next_send = now
+
+    def _post(self, i: int) -> MPI.Request:
+        return self.comm.Irecv(self._inbox[i:i + 1], source=self.peers[i], tag=_TAG)
+
+    def tick(self, now: Optional[float] = None) -> None:
+        """Cheap unless a look is due (every _LOOK_EVERY s): hear, and beat every INTERVAL."""
+        now = time.monotonic() if now is None else now
+        if now < self._next_look or not self.peers:
+            return
+        self._next_look = now + _LOOK_EVERY
+        self._hear(now)
+        if now >= self._next_send:
+            self._next_send = now + INTERVAL
+            for i, q in enumerate(self.peers):
+                send = self._sends[i]
+                if send is None or send.Test():
+                    self._sends[i] = self.comm.Isend(self._byte, dest=q, tag=_TAG)
+
+    def _hear(self, now: float) -> None:
+        while True:
+            done = MPI.Request.Testsome(self._recvs)
+            if not done:
+                return
+            for i in done:
+                self.last_heard[self.peers[i]] = now
+                self._recvs[i] = self._post(i)
+
+    def silent(self, now: Optional[float] = None) -> Dict[int, float]:
+        """{peer: seconds since it was last heard} for every peer quiet past SILENT_AFTER."""
+        now = time.monotonic() if now is None else now
+        self._hear(now)
+        return {q: now - t for q, t in self.last_heard.items() if now - t > SILENT_AFTER}
+
+    def gone(self) -> Dict[int, int]:
+        """{peer: pid} of the peers on this host whose process is no longer running."""
+        dead = set(processes_gone(self.pids_here.values()))
+        return {q: pid for q, pid in self.pids_here.items() if pid in dead}
+
+    def close(self) -> None:
+        """Every rank stopping together: drop the posted receives, let the sends go."""
+        for r in self._recvs:
+            r.Cancel()
+        MPI.Request.Waitall(self._recvs)
+        sends = [s for s in self._sends if s is not None]
+        deadline = time.monotonic() + 0.2
+        while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        for s in sends:
+            if s != MPI.REQUEST_NULL:
+                try:
+                    s.Free()
+                except MPI.Exception:
+                    pass
+        try:
+            self.comm.Free()
+        except MPI.Exception:
+            pass
+
+
+def processes_gone(pids: Iterable[int]) -> List[int]:
+    """The pids (of this PID namespace) that no longer run: absent, or zombies."""
+    gone = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            gone.append(pid)
+            continue
+        if state in (b"Z", b"X"):
+            gone.append(pid)
+    return gone
