@@ -111,8 +111,8 @@ def _entry_of(process_set_id: int) -> _Entry:
 
 
 def label(process_set_id: int, ranks: Sequence[int]) -> str:
-    """How errors name a set: 'process set 1 (ranks [0, 2])'."""
-    return f"process set {process_set_id} (ranks {list(ranks)})"
+    """How errors name a set: its id and job ranks."""
+    return f"process set {process_set_id} (job ranks {list(ranks)})"
 
 
 class SetHandle(Handle):
@@ -126,7 +126,8 @@ class SetHandle(Handle):
     def _set_exception(self, exc: BaseException) -> None:
         if self.set_label and self.set_label not in str(exc):
             try:
-                renamed = type(exc)(f"{self.set_label}: {exc}")
+                # (the runtime numbers ranks within the set, as the results are)
+                renamed = type(exc)(f"{self.set_label}, ranks numbered within the set: {exc}")
                 renamed.horolite_peer = getattr(exc, "horolite_peer", None)
                 renamed.__cause__ = exc.__cause__
                 exc = renamed
