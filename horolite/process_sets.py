@@ -126,8 +126,7 @@ class SetHandle(Handle):
     def _set_exception(self, exc: BaseException) -> None:
         if self.set_label and self.set_label not in str(exc):
             try:
-                # (the runtime numbers ranks within the set, as the results are)
-                renamed = type(exc)(f"{self.set_label}, ranks numbered within the set: {exc}")
+                renamed = type(exc)(f"{self.set_label}: {exc}")
                 renamed.horolite_peer = getattr(exc, "horolite_peer", None)
                 renamed.__cause__ = exc.__cause__
                 exc = renamed

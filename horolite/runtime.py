@@ -100,6 +100,8 @@ class Runtime(JobEnd):
         # Failures and stalls (failure.py, collective_watch.py): every wait on other ranks
         # hears another rank's failure notice and times itself.
         self.failures = FailureChannel(comm, comm.allgather(self.topology.hostname))
+        if leader is not None:  # a process set's messages name job ranks
+            self.failures.where = self._where_in_job
         self.watch = CollectiveWatch(self.failures, cfg.stall_check_time_seconds,
                                      cfg.stall_shutdown_time_seconds, not cfg.stall_check_disable)
         self.doomed: Optional[BaseException] = None  # set when this process must end
@@ -119,9 +121,11 @@ class Runtime(JobEnd):
         if self.nccl is not None:
             from .device_execution import DeviceExecutor
             self.executor.device = DeviceExecutor(self.nccl, cfg.fusion_threshold)
-        self.coordinator = Coordinator(self.size) if self.rank == 0 else None
+        self.coordinator = (Coordinator(self.size, self.job_ranks if leader is not None else None)
+                            if self.rank == 0 else None)
         self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds,
-                                     self.failures.where)
+                                     self.failures.where if leader is None else
+                                     lambda job_rank: self._where_in_job(self.job_ranks.index(job_rank)))
                       if self.rank == 0 and not cfg.stall_check_disable else None)
         self._control = ControlVector(cfg.cache_capacity)
         self._unsent: List[Entry] = []
@@ -153,6 +157,13 @@ class Runtime(JobEnd):
                                         + (f"-{set_label}" if set_label else ""),
                                         daemon=True)
         self._thread.start()
+
+    def _where_in_job(self, set_rank: int) -> str:
+        """'rank 3 (host node2)' for a process set's rank 1 whose job rank is 3."""
+        hosts = self.failures.hostnames
+        host = hosts[set_rank] if 0 <= set_rank < len(hosts) else "?"
+        job = self.job_ranks[set_rank] if 0 <= set_rank < len(self.job_ranks) else set_rank
+        return f"rank {job} (host {host})"
 
     # ---- caller side ----
     def submit(self, entry: Entry):
