@@ -55,9 +55,9 @@ def init(comm=None, process_sets=None) -> None:
         rt = Runtime(comm, cfg)
         try:
             _process_sets.setup(rt, rt.rank, process_sets, dynamic)
-        except BaseException:
-            for set_runtime in _process_sets.clear():
-                set_runtime.shutdown()
+        except BaseException:  # (every rank fails alike: the sets are agreed first)
+            runtimes = _process_sets.clear()
+            _stop(runtimes + ([rt] if rt not in runtimes else []))
             raise
         _runtime = rt
         if not _atexit_registered:

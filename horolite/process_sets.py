@@ -150,6 +150,7 @@ def setup(global_runtime, world_rank: int, process_sets, dynamic: bool) -> None:
                 raise ValueError(f"init(process_sets=...): entry {index} is {ps!r}, not a ProcessSet")
             if ps.ranks is None:
                 ps.ranks = _ranks_of_comm(global_runtime, ps.mpi_comm)
+            _agree(global_runtime, ps.ranks)
             found = _find(ps.ranks)
             if found is not None:
                 ps._invalidate()
@@ -172,6 +173,15 @@ def _find(ranks: Sequence[int]) -> Optional[int]:
         if entry.ranks == list(ranks):
             return pid
     return None
+
+
+def _agree(global_runtime, ranks: List[int]) -> None:
+    """Every rank names the same ranks (else a ValueError on every rank, not a hang)."""
+    everyone = global_runtime.set_comm.allgather(list(ranks))
+    if any(other != everyone[0] for other in everyone):
+        differing = {q: other for q, other in enumerate(everyone)}
+        raise ValueError(f"process sets are made by every rank in the same order, with the same "
+                         f"ranks; this one differs by rank: {differing}")
 
 
 def _create(global_runtime, ranks: List[int]) -> int:
@@ -242,6 +252,7 @@ def add_process_set(process_set) -> ProcessSet:
         if not _dynamic:
             raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or call init(process_sets="
                              "\"dynamic\")) to allow adding process sets after Horovod initialization.")
+        _agree(rt, process_set.ranks)
         if _find(process_set.ranks) is not None:
             raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
         process_set.process_set_id = _create(rt, process_set.ranks)

@@ -21,6 +21,11 @@ for _name, _ranks in SPECS.items():
     if not _ranks or max(_ranks) >= SIZE_HINT or _ranks == list(range(SIZE_HINT)):
         continue  # empty, beyond the job, or the global set itself
     SETS[_name] = _by_ranks.setdefault(tuple(_ranks), hvd.ProcessSet(_ranks))
+if SIZE_HINT >= 4:  # a set made from an mpi4py communicator: job ranks 0 and 3
+    from mpi4py import MPI
+    _world = MPI.COMM_WORLD.Get_rank()
+    SETS["comm"] = _by_ranks[(0, 3)] = hvd.ProcessSet(
+        MPI.COMM_WORLD.Split(0 if _world in (0, 3) else MPI.UNDEFINED, _world))
 hvd.init(process_sets=list(_by_ranks.values()))
 RANK, SIZE = hvd.rank(), hvd.size()
 assert SIZE == SIZE_HINT
@@ -32,6 +37,12 @@ def data(rank, shape, key):
     """Rank `rank`'s input for `key`: known on every rank, so references need no MPI."""
     seed = (rank + 1) * 7919 + sum(map(ord, key))
     return np.random.default_rng(seed).standard_normal(shape)
+
+
+def test_a_set_from_a_communicator_learns_its_ranks():
+    if "comm" not in SETS:
+        pytest.skip("needs 4 ranks")
+    assert SETS["comm"].ranks == [0, 3] and SETS["comm"].mpi_comm is not None
 
 
 def test_set_queries():
@@ -171,6 +182,8 @@ def test_dynamic_add_and_remove():
             hvd.add_process_set([0])
         assert hvd.remove_process_set(hvd.global_process_set) is False
         return
+    with pytest.raises(ValueError, match="differs by rank"):
+        hvd.add_process_set([0] if RANK == 0 else [SIZE - 1])
     added = hvd.add_process_set(fresh)
     assert added.process_set_id not in table and added.size() == len(set(fresh))
     assert ps_mod.get_process_set_ids_and_ranks()[added.process_set_id] == sorted(set(fresh))
