@@ -54,7 +54,7 @@ def init(comm=None, process_sets=None) -> None:
         process_sets = list(process_sets or [])
         rt = Runtime(comm, cfg)
         try:
-            _process_sets.setup(rt, rt.rank, process_sets, dynamic)
+            _process_sets.setup(rt, process_sets, dynamic)
         except BaseException:  # (every rank fails alike: the sets are agreed first)
             runtimes = _process_sets.clear()
             _stop(runtimes + ([rt] if rt not in runtimes else []))

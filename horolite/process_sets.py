@@ -136,7 +136,7 @@ class SetHandle(Handle):
 
 
 # ---- the table, kept by basics.init/shutdown ----
-def setup(global_runtime, world_rank: int, process_sets, dynamic: bool) -> None:
+def setup(global_runtime, process_sets, dynamic: bool) -> None:
     """At init (collective over the job): register the global set, then each of
     `process_sets` in order. A duplicate entry is a ValueError, as in Horovod."""
     global _dynamic
@@ -203,6 +203,9 @@ def _create(global_runtime, ranks: List[int]) -> int:
         runtime = Runtime(comm, global_runtime.config, set_label=label(pid, ranks),
                           job_ranks=ranks, leader=global_runtime)
     _table[pid] = _Entry(list(ranks), runtime)
+    if runtime is not None:  # its shared-memory window is a new /dev/shm file
+        from .shm_files import report_to_launcher
+        report_to_launcher(me)
     _log.debug("rank %d: %s registered%s", me, label(pid, ranks), "" if runtime else " (not a member)")
     return pid
 
