@@ -19,6 +19,7 @@ from .collectives import (allgather, allgather_async, allreduce, allreduce_async
 from .errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
                      NotInitializedError, ShutdownError, StallError, TensorMismatchError)
 from .handle import Handle
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 from .mpi_library import MPILibraryNotFound
@@ -33,6 +34,7 @@ __all__ = [
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "join_async", "poll", "synchronize", "Handle",
+    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
     "ShutdownError", "StallError", "NotInitializedError", "MPILibraryNotFound", "__version__",

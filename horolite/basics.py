@@ -8,6 +8,7 @@ import threading
 
 from . import config as config_mod
 from . import launch_check, log, process_hooks, settings
+from . import process_sets as _process_sets
 from .errors import NotInitializedError
 from .mpi_library import load_mpi
 
@@ -21,9 +22,11 @@ _runtime = None
 _atexit_registered = False
 
 
-def init(comm=None) -> None:
+def init(comm=None, process_sets=None) -> None:
     """Start horolite on `comm` (an mpi4py communicator or a list of world ranks; default: all).
 
+    process_sets (Horovod's): a list of ProcessSet to register besides the global set, or
+    "dynamic" to allow add_process_set()/remove_process_set() later (process_sets.py).
     Calling it again while initialized does nothing.
     """
     global _runtime, _atexit_registered
@@ -41,7 +44,22 @@ def init(comm=None) -> None:
         if comm.Get_rank() == 0:
             for variable, advice in settings.unhonoured():
                 _log.warning("%s is set but %s", variable, advice)
-        _runtime = Runtime(comm, cfg)
+        dynamic = cfg.dynamic_process_sets
+        if isinstance(process_sets, str):
+            if process_sets.lower() != "dynamic":
+                raise ValueError(f"init(process_sets={process_sets!r}): a list of ProcessSet, "
+                                 "None or \"dynamic\"")
+            process_sets, dynamic = [], True
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"  # as Horovod does
+        process_sets = list(process_sets or [])
+        rt = Runtime(comm, cfg)
+        try:
+            _process_sets.setup(rt, process_sets, dynamic)
+        except BaseException:  # (every rank fails alike: the sets are agreed first)
+            runtimes = _process_sets.clear()
+            _stop(runtimes + ([rt] if rt not in runtimes else []))
+            raise
+        _runtime = rt
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             _atexit_registered = True
@@ -86,8 +104,20 @@ def shutdown() -> None:
     global _runtime
     with _lock:
         rt, _runtime = _runtime, None
-    if rt is not None:
-        rt.shutdown()
+        runtimes = _process_sets.clear() if rt is not None else []
+    _stop(runtimes)
+
+
+def _stop(runtimes, **how) -> None:
+    """Stop every process set's runtime (the global one last): all are asked first, so
+    ranks that stop their sets in another order do not wait on each other."""
+    for rt in runtimes:
+        if not isinstance(rt, process_hooks.ForkedRuntime):
+            rt._exiting = how.get("exiting")
+            rt._shutdown_requested.set()
+            rt.queue.wake.set()
+    for rt in runtimes:
+        rt.shutdown(**how)
 
 
 def _current_runtime():
@@ -103,10 +133,12 @@ def _shutdown_at_exit() -> None:
         rt, _runtime = _runtime, None
     if rt is None or not process_hooks.in_init_process():
         return
+    runtimes = _process_sets.clear()
+    doomed = any(r.doomed is not None for r in runtimes) or rt.doomed is not None
     code = process_hooks.exit_code()
-    rt.shutdown(timeout=1.0 if rt.doomed is not None else 30.0,
-                exiting=-1 if code is None else code)
-    if rt.doomed is not None:
+    _stop(runtimes or [rt], timeout=1.0 if doomed else 30.0,
+          exiting=-1 if code is None else code)
+    if doomed:
         process_hooks.exit_now(1 if code is None else code)
 
 
@@ -127,6 +159,7 @@ def _after_fork_in_child() -> None:
     global _runtime
     if _runtime is not None:
         _runtime = process_hooks.ForkedRuntime(_runtime)
+        _process_sets.replace_runtimes(process_hooks.ForkedRuntime)
 
 
 def rank() -> int:

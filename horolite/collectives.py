@@ -23,6 +23,7 @@ from .execution import OutputPool
 from .handle import Handle
 from .messages import JOIN_NAME, Kind, Request
 from .ops import MOVABLE_DTYPES, REDUCIBLE_DTYPES, Average, ReduceOp, dtype_name
+from .process_sets import SetHandle, global_process_set, runtime_for
 from .quorum import check_quorum
 from .tensor_queue import Entry
 
@@ -35,17 +36,18 @@ _name_lock = threading.Lock()
 _counters = {}
 
 
-def _auto_name(kind: str) -> str:
-    """Deterministic names: ranks calling collectives in the same order agree."""
+def _auto_name(kind: str, rt=None) -> str:
+    """Deterministic names: ranks calling collectives in the same order agree (counted
+    per process set: a rank outside a set does not count its collectives)."""
     with _name_lock:
-        counter = _counters.setdefault(kind, itertools.count())
+        counter = _counters.setdefault((kind, getattr(rt, "set_label", None)), itertools.count())
         return f"{kind}.noname.{next(counter)}"
 
 
-def _as_array(array, name: str, kind: Kind) -> np.ndarray:
+def _as_array(array, name: str, kind: Kind, rt=None) -> np.ndarray:
     if _device.is_device_array(array):
         # GPU path: a contiguous CuPy view on this rank's GPU, no host copy (device.py).
-        arr = _device.device_input(array, name, runtime())
+        arr = _device.device_input(array, name, rt or runtime())
     else:
         try:
             arr = np.asarray(array)
@@ -98,8 +100,8 @@ def _reduce_op(op, name: str) -> ReduceOp:
 
 
 def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, splits=None,
-            **fields) -> Handle:
-    rt = runtime()
+            rt=None, **fields) -> Handle:
+    rt = rt or runtime()
     ready = None
     if array is None:
         request = Request(name, kind, "", (), **fields)
@@ -108,13 +110,18 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
             fields.setdefault("device", _device.CUDA)  # a CuPy array from _as_array: GPU path
             ready = _device.record_ready(array)
         request = Request(name, kind, dtype_name(array.dtype), array.shape, **fields)
-    entry = Entry(request=request, array=array, handle=Handle(name, transform), splits=splits,
-                  ready=ready)
+    handle = (SetHandle(name, transform, rt.set_label) if rt.set_label else
+              Handle(name, transform))
+    entry = Entry(request=request, array=array, handle=handle, splits=splits, ready=ready)
     return rt.submit(entry)
 
 
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0, quorum: Optional[int] = None) -> Handle:
+                    postscale_factor: float = 1.0, quorum: Optional[int] = None,
+                    process_set=global_process_set) -> Handle:
+    if process_set is not global_process_set and process_set is not None:
+        return _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum,
+                                runtime_for(process_set, "allreduce"))
     if quorum is None and name and array.__class__ is np.ndarray and op.__class__ is ReduceOp and \
             prescale_factor == 1.0 == postscale_factor and array.flags.c_contiguous and \
             array.flags.aligned:
@@ -125,32 +132,39 @@ def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_fact
         if dname is not None and op is not ReduceOp.ADASUM and rt is not None:
             return rt.queue.submit(Entry(Request(name, _ALLREDUCE, dname, array.shape, int(op)),
                                          array, Handle(name)))
-    name = name or _auto_name("allreduce")
+    return _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum, runtime())
+
+
+def _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum, rt) -> Handle:
+    name = name or _auto_name("allreduce", rt)
     op = _reduce_op(op, name)
     pre, post = float(prescale_factor), float(postscale_factor)
-    k = check_quorum(quorum, op, name, runtime().size)
-    arr = _as_array(array, name, Kind.ALLREDUCE)
+    k = check_quorum(quorum, op, name, rt.size)
+    arr = _as_array(array, name, Kind.ALLREDUCE, rt)
     if k and not isinstance(arr, np.ndarray):
         raise InvalidCollectiveError(f"tensor '{name}': a quorum allreduce takes host (NumPy) arrays")
     _check_scales(arr, name, pre, post)
-    return _submit(Kind.ALLREDUCE, arr, name, op=int(op), prescale=float(prescale_factor),
+    return _submit(Kind.ALLREDUCE, arr, name, rt=rt, op=int(op), prescale=float(prescale_factor),
                    postscale=float(postscale_factor), quorum=k)
 
 
 def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, quorum: Optional[int] = None) -> np.ndarray:
+              postscale_factor: float = 1.0, quorum: Optional[int] = None,
+              process_set=global_process_set) -> np.ndarray:
     """Reduce `array` over all ranks (Average by default); returns a new array.
 
     quorum=k (beyond Horovod): done once k ranks have submitted; the first k to
     do so are reduced (Average divides by k), the others add zeros and get the
     same result for their own, later, submission. `handle.contributors` names the k.
+    process_set (every collective takes one): run over that set's ranks only.
     """
-    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum))
+    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum,
+                                       process_set))
 
 
 def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None,
                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            quorum: Optional[int] = None) -> Handle:
+                            quorum: Optional[int] = None, process_set=global_process_set) -> Handle:
     """One handle, and one request, for several allreduces.
 
     Host arrays of one dtype are packed here into one buffer and travel as a
@@ -162,18 +176,20 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
     host arrays of one dtype.
     """
     return _grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor,
-                                    quorum=quorum)
+                                    quorum=quorum, process_set=process_set)
 
 
 def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             borrowed: bool = False, quorum: Optional[int] = None) -> Handle:
+                             borrowed: bool = False, quorum: Optional[int] = None,
+                             process_set=global_process_set) -> Handle:
     """borrowed: the arrays are another framework's memory, which may change once this
     returns; packing copies them anyway, and only the members that go separately are
     copied here (the TensorFlow bridge then need not copy every gradient first)."""
-    base = name or _auto_name("grouped_allreduce")
+    rt = runtime_for(process_set, "grouped_allreduce")
+    base = name or _auto_name("grouped_allreduce", rt)
     op = _reduce_op(op, base)
-    k = check_quorum(quorum, op, base, runtime().size)
+    k = check_quorum(quorum, op, base, rt.size)
     arrays = list(arrays)
     pre, post = float(prescale_factor), float(postscale_factor)
     if not (math.isfinite(pre) and math.isfinite(post)):
@@ -181,14 +197,14 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
             _check_scales(np.asarray(a) if not hasattr(a, "dtype") else a, f"{base}.{i}", pre, post)
     packed = _pack_host_group(arrays, base)
     if packed is None:
-        arrays = [_as_array(a, f"{base}.{i}", Kind.ALLREDUCE) for i, a in enumerate(arrays)]
+        arrays = [_as_array(a, f"{base}.{i}", Kind.ALLREDUCE, rt) for i, a in enumerate(arrays)]
         if arrays and all(isinstance(a, np.ndarray) for a in arrays) and \
                 len({a.dtype for a in arrays}) == 1:
             packed = _pack_host_group(arrays, base)
     if packed is not None:
         flat, shapes = packed
         return _submit(Kind.ALLREDUCE, flat, base, transform=lambda out: _split(out, shapes),
-                       op=int(op), prescale=float(prescale_factor),
+                       rt=rt, op=int(op), prescale=float(prescale_factor),
                        postscale=float(postscale_factor), group=shapes, quorum=k)
     if k:
         raise InvalidCollectiveError(
@@ -197,13 +213,14 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
             f"({'device arrays' if any(not isinstance(a, np.ndarray) for a in arrays) else 'host arrays'})")
     if borrowed:
         arrays = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in arrays]
-    return _one_handle(base, [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor)
-                              for i, a in enumerate(arrays)])
+    return _one_handle(base, [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor,
+                                              process_set=process_set)
+                              for i, a in enumerate(arrays)], rt)
 
 
-def _one_handle(name: str, children: List[Handle]) -> Handle:
+def _one_handle(name: str, children: List[Handle], rt=None) -> Handle:
     """A handle done when all `children` are: their results as a list, or the first error."""
-    group = Handle(name)
+    group = SetHandle(name, None, rt.set_label) if rt is not None and rt.set_label else Handle(name)
     if not children:
         group._set_result([])
         return group
@@ -301,50 +318,68 @@ def _split(flat: np.ndarray, shapes) -> List[np.ndarray]:
 
 def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      quorum: Optional[int] = None) -> List[np.ndarray]:
+                      quorum: Optional[int] = None,
+                      process_set=global_process_set) -> List[np.ndarray]:
     return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor,
-                                               quorum))
+                                               quorum, process_set))
 
 
-def allgather_async(array, name: Optional[str] = None) -> Handle:
-    name = name or _auto_name("allgather")
-    arr = _as_array(array, name, Kind.ALLGATHER)
+def allgather_async(array, name: Optional[str] = None, process_set=global_process_set) -> Handle:
+    rt = runtime_for(process_set, "allgather")
+    name = name or _auto_name("allgather", rt)
+    arr = _as_array(array, name, Kind.ALLGATHER, rt)
     if arr.ndim == 0:
         raise InvalidCollectiveError(f"tensor '{name}': allgather needs at least one dimension, got a scalar")
-    return _submit(Kind.ALLGATHER, arr, name)
+    return _submit(Kind.ALLGATHER, arr, name, rt=rt)
 
 
-def allgather(array, name: Optional[str] = None) -> np.ndarray:
-    """Concatenate every rank's array along the first dimension (which may differ per rank)."""
-    return synchronize(allgather_async(array, name))
+def allgather(array, name: Optional[str] = None, process_set=global_process_set) -> np.ndarray:
+    """Concatenate every rank's array along the first dimension (which may differ per rank),
+    in rank order (set rank order on a process set)."""
+    return synchronize(allgather_async(array, name, process_set))
 
 
-def grouped_allgather_async(arrays: Sequence, name: Optional[str] = None) -> Handle:
+def grouped_allgather_async(arrays: Sequence, name: Optional[str] = None,
+                            process_set=global_process_set) -> Handle:
     """One handle for several allgathers, all submitted before any is awaited (so they
     negotiate in the same cycles); the result is the list of gathered arrays."""
-    base = name or _auto_name("grouped_allgather")
-    return _one_handle(base, [allgather_async(a, f"{base}.{i}") for i, a in enumerate(arrays)])
+    rt = runtime_for(process_set, "grouped_allgather")
+    base = name or _auto_name("grouped_allgather", rt)
+    return _one_handle(base, [allgather_async(a, f"{base}.{i}", process_set)
+                              for i, a in enumerate(arrays)], rt)
 
 
-def grouped_allgather(arrays: Sequence, name: Optional[str] = None) -> List[np.ndarray]:
-    return synchronize(grouped_allgather_async(arrays, name))
+def grouped_allgather(arrays: Sequence, name: Optional[str] = None,
+                      process_set=global_process_set) -> List[np.ndarray]:
+    return synchronize(grouped_allgather_async(arrays, name, process_set))
 
 
-def broadcast_async(array, root_rank: int, name: Optional[str] = None) -> Handle:
-    name = name or _auto_name("broadcast")
-    arr = _as_array(array, name, Kind.BROADCAST)
-    return _submit(Kind.BROADCAST, arr, name, root=int(root_rank))
+def broadcast_async(array, root_rank: int, name: Optional[str] = None,
+                    process_set=global_process_set) -> Handle:
+    rt = runtime_for(process_set, "broadcast")
+    name = name or _auto_name("broadcast", rt)
+    arr = _as_array(array, name, Kind.BROADCAST, rt)
+    root = int(root_rank)
+    if rt.set_label:  # root_rank is a job rank, as in Horovod: the set's numbering travels
+        if root not in rt.job_ranks:
+            raise InvalidCollectiveError(
+                f"tensor '{name}': broadcast root_rank {root} is not a member of {rt.set_label}")
+        root = rt.job_ranks.index(root)
+    return _submit(Kind.BROADCAST, arr, name, rt=rt, root=root)
 
 
-def broadcast(array, root_rank: int, name: Optional[str] = None) -> np.ndarray:
-    """Every rank gets root_rank's array."""
-    return synchronize(broadcast_async(array, root_rank, name))
+def broadcast(array, root_rank: int, name: Optional[str] = None,
+              process_set=global_process_set) -> np.ndarray:
+    """Every rank gets root_rank's array (root_rank: the job rank, also on a process set)."""
+    return synchronize(broadcast_async(array, root_rank, name, process_set))
 
 
-def alltoall_async(array, splits=None, name: Optional[str] = None) -> Handle:
-    name = name or _auto_name("alltoall")
-    arr = _as_array(array, name, Kind.ALLTOALL)
-    n = runtime().size
+def alltoall_async(array, splits=None, name: Optional[str] = None,
+                   process_set=global_process_set) -> Handle:
+    rt = runtime_for(process_set, "alltoall")
+    name = name or _auto_name("alltoall", rt)
+    arr = _as_array(array, name, Kind.ALLTOALL, rt)
+    n = rt.size
     if arr.ndim == 0:
         raise InvalidCollectiveError(f"tensor '{name}': alltoall needs at least one dimension, got a scalar")
     if splits is None:
@@ -361,41 +396,51 @@ def alltoall_async(array, splits=None, name: Optional[str] = None) -> Handle:
                 f"tensor '{name}': splits {rows.tolist()} must have {n} non-negative entries "
                 f"summing to the first dimension {arr.shape[0]}")
         transform = None
-    return _submit(Kind.ALLTOALL, arr, name, transform=transform, splits=rows)
+    return _submit(Kind.ALLTOALL, arr, name, transform=transform, splits=rows, rt=rt)
 
 
-def alltoall(array, splits=None, name: Optional[str] = None):
-    """Send splits[i] rows to rank i; returns the rows received, and their splits when splits are given."""
-    return synchronize(alltoall_async(array, splits, name))
+def alltoall(array, splits=None, name: Optional[str] = None, process_set=global_process_set):
+    """Send splits[i] rows to rank i (set rank i on a process set); returns the rows
+    received, and their splits when splits are given."""
+    return synchronize(alltoall_async(array, splits, name, process_set))
 
 
-def reducescatter_async(array, op=Average, name: Optional[str] = None) -> Handle:
-    name = name or _auto_name("reducescatter")
+def reducescatter_async(array, op=Average, name: Optional[str] = None,
+                        process_set=global_process_set) -> Handle:
+    rt = runtime_for(process_set, "reducescatter")
+    name = name or _auto_name("reducescatter", rt)
     op = _reduce_op(op, name)
-    arr = _as_array(array, name, Kind.REDUCESCATTER)
+    arr = _as_array(array, name, Kind.REDUCESCATTER, rt)
     if arr.ndim == 0:
         raise InvalidCollectiveError(f"tensor '{name}': reducescatter needs at least one dimension, got a scalar")
-    return _submit(Kind.REDUCESCATTER, arr, name, op=int(op))
+    return _submit(Kind.REDUCESCATTER, arr, name, rt=rt, op=int(op))
 
 
-def reducescatter(array, op=Average, name: Optional[str] = None) -> np.ndarray:
-    """Reduce over ranks, then rank r keeps the r-th part of the first dimension."""
-    return synchronize(reducescatter_async(array, op, name))
+def reducescatter(array, op=Average, name: Optional[str] = None,
+                  process_set=global_process_set) -> np.ndarray:
+    """Reduce over ranks, then rank r (set rank r on a process set) keeps the r-th part
+    of the first dimension."""
+    return synchronize(reducescatter_async(array, op, name, process_set))
 
 
-def grouped_reducescatter_async(arrays: Sequence, op=Average, name: Optional[str] = None) -> Handle:
+def grouped_reducescatter_async(arrays: Sequence, op=Average, name: Optional[str] = None,
+                                process_set=global_process_set) -> Handle:
     """One handle for several reducescatters, submitted together; results as a list."""
-    base = name or _auto_name("grouped_reducescatter")
-    return _one_handle(base, [reducescatter_async(a, op, f"{base}.{i}") for i, a in enumerate(arrays)])
+    rt = runtime_for(process_set, "grouped_reducescatter")
+    base = name or _auto_name("grouped_reducescatter", rt)
+    return _one_handle(base, [reducescatter_async(a, op, f"{base}.{i}", process_set)
+                              for i, a in enumerate(arrays)], rt)
 
 
-def grouped_reducescatter(arrays: Sequence, op=Average, name: Optional[str] = None) -> List[np.ndarray]:
-    return synchronize(grouped_reducescatter_async(arrays, op, name))
+def grouped_reducescatter(arrays: Sequence, op=Average, name: Optional[str] = None,
+                          process_set=global_process_set) -> List[np.ndarray]:
+    return synchronize(grouped_reducescatter_async(arrays, op, name, process_set))
 
 
-def barrier() -> None:
-    """Return once every rank has called barrier()."""
-    synchronize(_submit(Kind.BARRIER, None, _auto_name("barrier")))
+def barrier(process_set=global_process_set) -> None:
+    """Return once every rank (of the process set) has called barrier()."""
+    rt = runtime_for(process_set, "barrier")
+    synchronize(_submit(Kind.BARRIER, None, _auto_name("barrier", rt), rt=rt))
 
 
 def join_async() -> Handle:

@@ -102,8 +102,10 @@ def check_requests(name: str, requests: Dict[int, Request], size: int,
 class Coordinator:
     """Rank 0's table of requests, and the order in which tensors become ready."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, names: Optional[Sequence[int]] = None):
+        """names: how messages number the ranks (a process set's job ranks), if not 0..size-1."""
         self.size = size
+        self.names = list(names) if names is not None else None
         self._table: "OrderedDict[str, Dict[int, Request]]" = OrderedDict()
         self._first_seen: Dict[str, float] = {}
         self._joined: "OrderedDict[int, None]" = OrderedDict()
@@ -138,6 +140,10 @@ class Coordinator:
             del self._table[name]
             del self._first_seen[name]
             response = check_requests(name, requests, self.size, self._joined)
+            if response.error and self.names is not None:  # the same error, in job ranks
+                named = self.names
+                response = check_requests(name, {named[r]: q for r, q in requests.items()},
+                                          self.size, [named[r] for r in self._joined])
             if first.quorum:
                 response = quorum.decide(response, list(requests), self._joined,
                                          quorum.needed(first, expected))
@@ -156,5 +162,7 @@ class Coordinator:
             if waited >= after:
                 have = sorted(requests)
                 missing = [r for r in range(self.size) if r not in requests and r not in self._joined]
+                if self.names is not None:
+                    have, missing = [self.names[r] for r in have], [self.names[r] for r in missing]
                 report.append((name, have, missing, waited))
         return report

@@ -9,6 +9,7 @@ responses. The background thread is the only thread that calls MPI after init.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -72,12 +73,23 @@ class Topology:
 
 
 class Runtime(JobEnd):
-    def __init__(self, comm: MPI.Comm, cfg: config_mod.Config):
+    """The job's runtime (the global process set), or a process set's: then `set_label`
+    names the set in errors, `job_ranks` are its members' job ranks, and `leader` is the
+    global runtime (process_sets.py)."""
+
+    def __init__(self, comm: MPI.Comm, cfg: config_mod.Config, set_label: Optional[str] = None,
+                 job_ranks: Optional[List[int]] = None, leader: Optional["Runtime"] = None):
+        self.set_label = set_label
+        self.leader = leader
+        if leader is not None:
+            # One timeline and one autotuner per process: the global set's.
+            cfg = dataclasses.replace(cfg, timeline="", autotune=False)
         self.config = cfg
         self.comm = comm
         self.topology = Topology(comm)
         self.rank = self.topology.rank
         self.size = self.topology.size
+        self.job_ranks = list(job_ranks) if job_ranks is not None else list(range(self.size))
         # Blocking inside MPI spins a core; a rank whose neighbour (or whose framework's
         # threads) need that core must poll and yield instead.
         polite = cfg.wait_mode == "poll" or oversubscribed(self.topology.local_size)
@@ -90,6 +102,8 @@ class Runtime(JobEnd):
         # hears another rank's failure notice and times itself.
         hostnames = comm.allgather(self.topology.hostname)
         self.failures = FailureChannel(comm, hostnames)
+        if leader is not None:  # a process set's messages name job ranks
+            self.failures.where = self._where_in_job
         # Which peers are still heard from (heartbeat.py): what a stall report names.
         self.heartbeat = (Heartbeat(comm, hostnames) if self.size > 1 and not cfg.stall_check_disable
                           else None)
@@ -113,9 +127,11 @@ class Runtime(JobEnd):
         if self.nccl is not None:
             from .device_execution import DeviceExecutor
             self.executor.device = DeviceExecutor(self.nccl, cfg.fusion_threshold)
-        self.coordinator = Coordinator(self.size) if self.rank == 0 else None
+        self.coordinator = (Coordinator(self.size, self.job_ranks if leader is not None else None)
+                            if self.rank == 0 else None)
         self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds,
-                                     self.failures.where)
+                                     self.failures.where if leader is None else
+                                     lambda job_rank: self._where_in_job(self.job_ranks.index(job_rank)))
                       if self.rank == 0 and not cfg.stall_check_disable else None)
         self._control = ControlVector(cfg.cache_capacity)
         self._unsent: List[Entry] = []
@@ -135,13 +151,25 @@ class Runtime(JobEnd):
         _log.info("horolite runtime up: rank %d of %d on %s (local %d/%d)%s", self.rank,
                   self.size, self.topology.hostname, self.topology.local_rank,
                   self.topology.local_size, ", polling MPI" if polite else ", blocking in MPI")
-        report_shm_files(self.rank)
+        if leader is None:
+            report_shm_files(self.rank)
+            # Process sets are made over a communicator of their own (the background
+            # thread owns `comm`): see process_sets.py.
+            self.set_comm = comm.Dup()
         _log.info("rank %d: allreduce %s", self.rank,
                   "through shared memory (every rank on this host)" if shared is not None
                   else "over the ring of MPI messages")
-        self._thread = threading.Thread(target=self._loop, name=f"horolite-background-{self.rank}",
+        self._thread = threading.Thread(target=self._loop, name=f"horolite-background-{self.rank}"
+                                        + (f"-{set_label}" if set_label else ""),
                                         daemon=True)
         self._thread.start()
+
+    def _where_in_job(self, set_rank: int) -> str:
+        """'rank 3 (host node2)' for a process set's rank 1 whose job rank is 3."""
+        hosts = self.failures.hostnames
+        host = hosts[set_rank] if 0 <= set_rank < len(hosts) else "?"
+        job = self.job_ranks[set_rank] if 0 <= set_rank < len(self.job_ranks) else set_rank
+        return f"rank {job} (host {host})"
 
     # ---- caller side ----
     def submit(self, entry: Entry):
@@ -214,6 +242,29 @@ class Runtime(JobEnd):
             _log.exception("rank %d: background thread failed", self.rank)
             self._end_for_failure(None, HorovodInternalError(
                 f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
+
+    def _doom(self, error: BaseException) -> None:
+        """This rank cannot go on: every process set's collectives on it fail too."""
+        first = self.doomed is None
+        super()._doom(error)
+        if first:
+            from . import process_sets
+            for other in process_sets.runtimes():
+                if other is not self:
+                    other.doom_from_sibling(error)
+
+    def doom_from_sibling(self, error: BaseException) -> None:
+        """Another runtime of this process (another process set's) was doomed: fail this
+        one's pending and later collectives with the same error (the caller's thread; this
+        runtime's own thread may be waiting on the rank that failed)."""
+        if self.doomed is not None:
+            return
+        self.doomed = error
+        self._fatal = self._fatal or error
+        for entry in self.queue.close(error):
+            exc = type(error)(f"tensor '{entry.request.name}': {error}")
+            exc.horolite_peer = getattr(error, "horolite_peer", None)
+            entry.handle._set_exception(exc)
 
     def _fail_pending(self, error: BaseException) -> None:
         self._fatal = self._fatal or error

@@ -129,6 +129,10 @@ SETTINGS: Tuple[Setting, ...] = (
             "overlap it)",
             "mpi_threads_disable", "--mpi-threads-disable", "--no-mpi-threads-disable",
             yaml="library_options.mpi_threads_disable"),
+    Setting("DYNAMIC_PROCESS_SETS", bool, False,
+            "`1` allows `hvd.add_process_set()`/`hvd.remove_process_set()` after `hvd.init()` "
+            "(as `hvd.init(process_sets=\"dynamic\")` does)",
+            "dynamic_process_sets"),
     Setting("WAIT_MODE", ("poll", "block"), "poll",
             "how the background thread waits on MPI: `poll` spins briefly, then sleeps (leaves "
             "cores to the framework's threads); `block` waits inside MPI (lowest latency when "
@@ -212,8 +216,6 @@ NOT_HONOURED = {
     "DISABLE_GROUP_FUSION": ("grouped collectives always travel as one fused tensor", "", "",
                              None),
     "DISABLE_NVTX_RANGES": ("horolite emits no NVTX ranges", "", "", None),
-    "DYNAMIC_PROCESS_SETS": ("horolite has no process sets; init(comm=[ranks]) runs on a subset",
-                             "", "", None),
     "ELASTIC": ("horolite has no elastic training: ranks are a fixed MPI job", "", "", None),
     "ELASTIC_TIMEOUT": ("horolite has no elastic training", "", "", None),
     "ENABLE_ASYNC_COMPLETION": ("host collectives complete on the background thread already",

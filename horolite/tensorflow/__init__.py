@@ -31,8 +31,8 @@ from .api import (allreduce, grouped_allreduce, grouped_reducescatter,
                   handle_average_backwards_compatibility, reducescatter)
 from .mpi_ops import (allgather, alltoall, barrier, broadcast, grouped_allgather, join,
                       local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
-from .process_sets import (ProcessSet, add_process_set, check_init_process_sets,
-                           check_process_set, global_process_set, remove_process_set)
+from .process_sets import (ProcessSet, add_process_set, check_process_set, global_process_set,
+                           remove_process_set)
 from . import elastic
 from .wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
                                  SyncReplicasOptimizer)
@@ -59,9 +59,9 @@ __all__ = [
 
 def init(comm=None, process_sets=None):
     """Start horolite (Horovod's `init(comm=None, process_sets=None)`): `comm` is an mpi4py
-    communicator or a list of world ranks; only the global process set is supported."""
-    check_init_process_sets(process_sets)
-    _core.init(comm)
+    communicator or a list of world ranks; `process_sets` a list of ProcessSet, or
+    "dynamic" (see horolite/process_sets.py)."""
+    _core.init(comm, process_sets)
 
 
 # ------------------------------------------------------------------ tape ----
@@ -141,10 +141,10 @@ def DistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str
     and `tape.gradients_ready` says whether this call's result is the reduced
     one (a bool, or a bool tensor inside graphs).
     """
-    check_process_set(process_set, "DistributedGradientTape")
     check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op,
-                              gradient_predivide_factor, num_groups, groups, scale_local_gradients)
+                              gradient_predivide_factor, num_groups, groups, scale_local_gradients,
+                              process_set)
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTapeMixin, gradtape.__class__), {})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
@@ -186,7 +186,7 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
     def __init__(self, optimizer, name=None, use_locking=False, compression=Compression.none,
                  sparse_as_dense=False, backward_passes_per_step=1, op=Average,
                  gradient_predivide_factor=1.0, average_aggregated_gradients=False, num_groups=None,
-                 groups=None, scale_local_gradients=True):
+                 groups=None, scale_local_gradients=True, process_set=global_process_set):
         if name is None:
             name = f"Distributed{type(optimizer).__name__}"
         check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
@@ -194,7 +194,7 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
         self._optimizer = optimizer
         self._reducer = GradientReducer(name, compression, sparse_as_dense, op,
                                         gradient_predivide_factor, num_groups, groups,
-                                        scale_local_gradients)
+                                        scale_local_gradients, process_set)
         self._aggregator = (LocalAggregator(backward_passes_per_step, average_aggregated_gradients,
                                             self._reducer)
                             if backward_passes_per_step > 1 else None)
@@ -259,19 +259,18 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
                          groups=None, process_set=global_process_set, scale_local_gradients: bool = True):
     """Horovod's DistributedOptimizer: a tf.compat.v1.train.Optimizer (legacy, graph or eager)
     or a Keras optimizer (then see horolite.tensorflow.keras.DistributedOptimizer)."""
-    check_process_set(process_set, "DistributedOptimizer")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return _DistributedOptimizer(optimizer, name, use_locking, compression, sparse_as_dense,
                                      backward_passes_per_step, op, gradient_predivide_factor,
                                      average_aggregated_gradients, num_groups, groups,
-                                     scale_local_gradients)
+                                     scale_local_gradients, process_set)
     from . import keras as _keras
     return _keras.DistributedOptimizer(
         optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
         backward_passes_per_step=backward_passes_per_step, op=op,
         gradient_predivide_factor=gradient_predivide_factor,
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-        groups=groups, scale_local_gradients=scale_local_gradients)
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
 
 
 # ------------------------------------------------------------- TF1 hook ----

@@ -22,7 +22,7 @@ from horolite.ops import Average, ReduceOp, Sum
 from .compression import Compression
 from .mpi_ops import (_allreduce, _grouped_allreduce, _grouped_reducescatter, _reducescatter,
                       allgather, grouped_allgather)
-from .process_sets import check_process_set, global_process_set
+from .process_sets import check_process_set, global_process_set, set_size
 
 __all__ = ["allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter",
            "handle_average_backwards_compatibility"]
@@ -52,11 +52,10 @@ def _check_sparse_op(op, prescale_factor, postscale_factor) -> None:
         raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
 
 
-def _average_values(values: tf.Tensor, op) -> tf.Tensor:
+def _average_values(values: tf.Tensor, op, process_set=global_process_set) -> tf.Tensor:
     if ReduceOp(op) != ReduceOp.AVERAGE:
         return values
-    from horolite import size
-    return values / tf.cast(size(), values.dtype)
+    return values / tf.cast(set_size(process_set), values.dtype)
 
 
 def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "",
@@ -69,11 +68,15 @@ def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str =
     if isinstance(tensor, tf.IndexedSlices):
         _check_sparse_op(op, prescale_factor, postscale_factor)
         with tf.device(device_sparse):
-            values = allgather(tensor.values, name=None if name is None else f"{name}.values")
-            indices = allgather(tensor.indices, name=None if name is None else f"{name}.indices")
-            return tf.IndexedSlices(_average_values(values, op), indices, dense_shape=tensor.dense_shape)
+            values = allgather(tensor.values, name=None if name is None else f"{name}.values",
+                               process_set=process_set)
+            indices = allgather(tensor.indices, name=None if name is None else f"{name}.indices",
+                                process_set=process_set)
+            return tf.IndexedSlices(_average_values(values, op, process_set), indices,
+                                    dense_shape=tensor.dense_shape)
     with tf.device(device_dense):
-        return _allreduce(tensor, op, compression, prescale_factor, postscale_factor, name)
+        return _allreduce(tensor, op, compression, prescale_factor, postscale_factor, name,
+                          process_set)
 
 
 def grouped_allreduce(tensors, average=None, device_dense: str = "", device_sparse: str = "",
@@ -94,15 +97,18 @@ def grouped_allreduce(tensors, average=None, device_dense: str = "", device_spar
         with tf.device(device_sparse):
             base = None if name is None else f"{name}.sparse"
             values = grouped_allgather([tensors[i].values for i in sparse],
-                                       name=None if base is None else f"{base}.values")
+                                       name=None if base is None else f"{base}.values",
+                                       process_set=process_set)
             indices = grouped_allgather([tensors[i].indices for i in sparse],
-                                        name=None if base is None else f"{base}.indices")
+                                        name=None if base is None else f"{base}.indices",
+                                        process_set=process_set)
             for i, v, ix in zip(sparse, values, indices):
-                out[i] = tf.IndexedSlices(_average_values(v, op), ix, dense_shape=tensors[i].dense_shape)
+                out[i] = tf.IndexedSlices(_average_values(v, op, process_set), ix,
+                                          dense_shape=tensors[i].dense_shape)
     if dense:
         with tf.device(device_dense):
             reduced = _grouped_allreduce([tensors[i] for i in dense], op, compression, prescale_factor,
-                                         postscale_factor, name)
+                                         postscale_factor, name, process_set)
         for i, r in zip(dense, reduced):
             out[i] = r
     return out
@@ -116,7 +122,8 @@ def reducescatter(tensor, device_dense: str = "", compression=Compression.none, 
     check_process_set(process_set, "reducescatter")
     with tf.device(device_dense):
         compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-        reduced = _reducescatter(compressed, op, name, prescale_factor, postscale_factor)
+        reduced = _reducescatter(compressed, op, name, prescale_factor, postscale_factor,
+                                 process_set)
         return compression.decompress(reduced, ctx)
 
 
@@ -130,6 +137,6 @@ def grouped_reducescatter(tensors, device_dense: str = "", compression=Compressi
     with tf.device(device_dense):
         pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
         reduced = _grouped_reducescatter([c for c, _ in pairs], op, name, prescale_factor,
-                                         postscale_factor)
+                                         postscale_factor, process_set)
         return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 

@@ -205,7 +205,7 @@ def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence, with_rows: bool = Fa
     """
     np_dtypes = [d.as_numpy_dtype for d in dtypes]
     if with_rows:
-        shapes = list(shapes) + [[_core.size()]] * len(dtypes)
+        shapes = list(shapes) + [[None]] * len(dtypes)  # (a process set's size, or the job's)
         all_dtypes = list(dtypes) + [tf.int64] * len(dtypes)
     else:
         all_dtypes = list(dtypes)
@@ -273,25 +273,30 @@ def run_alone(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes,
 
 
 def enqueue_allreduce(tensor: tf.Tensor, name: Optional[str], op=Average,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0):
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set=None):
     """Enqueue op only (pair it with `wait(hid, [tensor.dtype], [tensor.shape])`)."""
     op, pre, post = ReduceOp(op), float(prescale_factor), float(postscale_factor)
-    return _enqueue(lambda a: _core.allreduce_async(a, op, name, pre, post), [tensor])
+    return _enqueue(lambda a: _core.allreduce_async(a, op, name, pre, post,
+                                                    process_set=process_set), [tensor])
 
 
 def enqueue_grouped_allreduce(tensors: Sequence[tf.Tensor], name: Optional[str], op=Average,
-                              prescale_factor: float = 1.0, postscale_factor: float = 1.0):
+                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                              process_set=None):
     """One enqueue op for a group: it runs once every tensor exists, and they fuse together."""
-    submit, copy = grouped_allreduce_submit(name, op, prescale_factor, postscale_factor)
+    submit, copy = grouped_allreduce_submit(name, op, prescale_factor, postscale_factor,
+                                            process_set)
     return _enqueue(submit, list(tensors), copy)
 
 
 def grouped_allreduce_submit(name: Optional[str], op=Average, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0):
+                             postscale_factor: float = 1.0, process_set=None):
     """(submit, copy) for _enqueue or run_alone: a group's arrays into one request."""
     op, pre, post = ReduceOp(op), float(prescale_factor), float(postscale_factor)
     # Host path: no copy of every tensor first, packing the group is the copy
     # (borrowed). The GPU path's _to_runtime copies every tensor already.
     borrowed = not _nccl_active()
-    return (lambda *a: _grouped_allreduce_async(list(a), op, name, pre, post, borrowed=borrowed),
+    return (lambda *a: _grouped_allreduce_async(list(a), op, name, pre, post, borrowed=borrowed,
+                                                process_set=process_set),
             not borrowed)

@@ -56,7 +56,8 @@ def broadcast_variables(variables, root_rank: int, process_set=global_process_se
         vname = f"{prefix}.{variable_name(var, i)}"
         value = tf.convert_to_tensor(var.value if hasattr(var, "path") else var)  # Keras 3 or tf.Variable
         values.append(value)
-        hids.append(_enqueue(lambda a, n=vname: _core.broadcast_async(a, root_rank, n), [value]))
+        hids.append(_enqueue(lambda a, n=vname: _core.broadcast_async(a, root_rank, n, process_set),
+                             [value]))
     assigns = []
     deps = None if tf.executing_eagerly() else hids
     with tf.control_dependencies(deps):
@@ -73,7 +74,7 @@ def broadcast_(variables, root_rank: int, name: Optional[str] = None, process_se
     check_process_set(process_set, "broadcast_")
     single = not isinstance(variables, (list, tuple))
     variables = [variables] if single else list(variables)
-    op = broadcast_variables(variables, root_rank, name=name or "broadcast_")
+    op = broadcast_variables(variables, root_rank, process_set, name=name or "broadcast_")
     with tf.control_dependencies(None if op is None else [op]):
         values = [tf.convert_to_tensor(v.value if hasattr(v, "path") else v.read_value()) for v in variables]
     return values[0] if single else values
@@ -106,10 +107,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, session=None, name: Optional[
         length = np.array([payload.size], np.int64)
     else:
         payload, length = None, np.zeros(1, np.int64)
-    length = _sync(lambda: _core.broadcast(length, root_rank, name=f"{name}.length"))
+    length = _sync(lambda: _core.broadcast(length, root_rank, name=f"{name}.length",
+                                           process_set=process_set))
     if payload is None:
         payload = np.zeros(int(length[0]), np.uint8)
-    data = _sync(lambda: _core.broadcast(payload, root_rank, name=f"{name}.data"))
+    data = _sync(lambda: _core.broadcast(payload, root_rank, name=f"{name}.data",
+                                         process_set=process_set))
     return pickle.loads(data.tobytes())
 
 
@@ -118,17 +121,19 @@ def broadcast_object_fn(root_rank: int = 0, session=None, name: Optional[str] = 
     """Horovod's factory for TF1 code: a function obj -> root_rank's obj. (horolite
     broadcasts objects in Python, so no session is needed; `session` is accepted.)"""
     check_process_set(process_set, "broadcast_object_fn")
-    return lambda obj: broadcast_object(obj, root_rank, name=name)
+    return lambda obj: broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
 
 def allgather_object(obj: Any, session=None, name: Optional[str] = None,
                      process_set=global_process_set) -> List[Any]:
-    """Every rank's `obj`, as a list indexed by rank (`session` accepted, not needed)."""
+    """Every rank's `obj`, as a list indexed by rank (set rank on a process set;
+    `session` accepted, not needed)."""
     check_process_set(process_set, "allgather_object")
     name = name or "allgather_object"
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-    lengths = _sync(lambda: _core.allgather(np.array([payload.size], np.int64), name=f"{name}.length"))
-    data = _sync(lambda: _core.allgather(payload, name=f"{name}.data"))
+    lengths = _sync(lambda: _core.allgather(np.array([payload.size], np.int64), name=f"{name}.length",
+                                            process_set=process_set))
+    data = _sync(lambda: _core.allgather(payload, name=f"{name}.data", process_set=process_set))
     out, start = [], 0
     for n in lengths.tolist():
         out.append(pickle.loads(data[start:start + n].tobytes()))

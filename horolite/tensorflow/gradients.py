@@ -23,6 +23,7 @@ from .compression import Compression
 from .functions import variable_name, variable_ref
 from .bridge import _enqueue, graph_unique_name, grouped_allreduce_submit, run_alone, wait
 from .mpi_ops import _check_op
+from .process_sets import check_process_set, global_process_set, reduces_here, set_size
 
 __all__ = ["GradientReducer", "LocalAggregator", "check_arguments"]
 
@@ -43,9 +44,14 @@ def check_arguments(op, gradient_predivide_factor: float, backward_passes_per_st
 class GradientReducer:
     def __init__(self, name: str, compression=Compression.none, sparse_as_dense: bool = False,
                  op=ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, num_groups=None,
-                 groups=None, scale_local_gradients: bool = True):
+                 groups=None, scale_local_gradients: bool = True, process_set=global_process_set):
         self.op = check_arguments(op, gradient_predivide_factor)
         self.name = name
+        # Gradients are reduced over this set; on a rank outside it (or a set of one
+        # rank) they stay local, as in Horovod.
+        self.process_set = process_set
+        if process_set is not None and process_set.included() is not False:
+            check_process_set(process_set, name)
         # Local variables (register_local_source/_var, local_layers) keep their own
         # gradient; Horovod divides it by size() so that it belongs to the same
         # (averaged) loss as the reduced ones.
@@ -95,14 +101,15 @@ class GradientReducer:
         return [variable_ref(variables[i]) in self.local_refs for i in range(n)]
 
     def _scale_local(self, grads, local) -> None:
-        if not self.scale_local_gradients or _core.size() == 1:
+        n = set_size(self.process_set)
+        if not self.scale_local_gradients or n == 1:
             return
         for i, g in enumerate(grads):
             if local[i] and g is not None:
                 if isinstance(g, tf.IndexedSlices):
-                    grads[i] = tf.IndexedSlices(g.values / _core.size(), g.indices, g.dense_shape)
+                    grads[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
                 else:
-                    grads[i] = g / _core.size()
+                    grads[i] = g / n
 
     # -- planning --
     def _group_indices(self, dense: List[int], variables) -> List[List[int]]:
@@ -137,6 +144,8 @@ class GradientReducer:
     def __call__(self, grads: Sequence, variables: Optional[Sequence] = None) -> List:
         """The reduced gradients; None stays None, local ones stay on this rank (see register_local)."""
         grads = list(grads)
+        if not reduces_here(self.process_set):
+            return grads
         n = len(grads)
         local = self._is_local(variables, n)
         out = list(grads)
@@ -147,6 +156,7 @@ class GradientReducer:
         graph = not tf.executing_eagerly()
         base = graph_unique_name(self.name) if graph else self.name
         op, pre, post = self.op, self.prescale, self.postscale
+        ps = self.process_set
 
         sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices) and not local[i]]
         dense = [i for i, g in enumerate(grads)
@@ -163,10 +173,11 @@ class GradientReducer:
             comp = [self.compression.compress(tf.convert_to_tensor(grads[i])) for i in members]
             if len(members) == 1:
                 nm = f"{base}.grad.{labels[members[0]]}"
-                submit, copy = (lambda a: _core.allreduce_async(a, op, nm, pre, post)), True
+                submit, copy = (lambda a: _core.allreduce_async(a, op, nm, pre, post,
+                                                                process_set=ps)), True
             else:
                 submit, copy = grouped_allreduce_submit(f"{base}.group.{labels[members[0]]}",
-                                                        op, pre, post)
+                                                        op, pre, post, ps)
             return comp, submit, copy
 
         def decompress(members, comp, results):
@@ -198,13 +209,13 @@ class GradientReducer:
             def job(i=i):
                 g = grads[i]
                 nm = f"{base}.grad.{labels[i]}"
-                hv = _enqueue(lambda a, nm=nm: _core.allgather_async(a, nm + ".values"), [g.values])
-                hi = _enqueue(lambda a, nm=nm: _core.allgather_async(a, nm + ".indices"), [g.indices])
+                hv = _enqueue(lambda a, nm=nm: _core.allgather_async(a, nm + ".values", ps), [g.values])
+                hi = _enqueue(lambda a, nm=nm: _core.allgather_async(a, nm + ".indices", ps), [g.indices])
 
                 def finish(_):
                     values = wait(hv, [g.values.dtype], [tf.TensorShape([None]).concatenate(g.values.shape[1:])])[0]
                     indices = wait(hi, [g.indices.dtype], [[None]])[0]
-                    scale = pre * post / (_core.size() if op == ReduceOp.AVERAGE else 1)
+                    scale = pre * post / (set_size(ps) if op == ReduceOp.AVERAGE else 1)
                     if scale != 1.0:
                         values = values * tf.cast(scale, values.dtype)
                     out[i] = tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)

@@ -14,7 +14,7 @@ import horolite as _core
 from horolite.errors import HorovodInternalError
 from horolite.ops import Average, ReduceOp
 
-from .process_sets import check_process_set, global_process_set
+from .process_sets import check_process_set, global_process_set, set_rank, set_size
 from .bridge import (_enqueue, _guarded, _resolve_name, _run, enqueue_grouped_allreduce,
                      to_tf_error, wait)
 
@@ -37,8 +37,8 @@ def _check_op(op) -> ReduceOp:
     return op
 
 
-def _allreduce_raw(x: tf.Tensor, name, op, pre, post) -> tf.Tensor:
-    return _run(lambda a: _core.allreduce_async(a, op, name, pre, post), [x],
+def _allreduce_raw(x: tf.Tensor, name, op, pre, post, process_set=global_process_set) -> tf.Tensor:
+    return _run(lambda a: _core.allreduce_async(a, op, name, pre, post, process_set=process_set), [x],
                 [x.dtype], [x.shape])[0]
 
 
@@ -46,20 +46,21 @@ def _grad_name(name: Optional[str]) -> Optional[str]:
     return None if name is None else f"{name}.grad"
 
 
-def _allreduce_dense(tensor: tf.Tensor, op, name, pre, post) -> tf.Tensor:
+def _allreduce_dense(tensor: tf.Tensor, op, name, pre, post, process_set=global_process_set) -> tf.Tensor:
     @tf.custom_gradient
     def fn(x):
-        y = _allreduce_raw(x, name, op, pre, post)
+        y = _allreduce_raw(x, name, op, pre, post, process_set)
 
         def grad(dy):
             return _allreduce_raw(tf.convert_to_tensor(dy), _resolve_name(_grad_name(name), "HorovodAllreduceGrad", dy),
-                                  op, pre, post)
+                                  op, pre, post, process_set)
         return y, grad
     return fn(tensor)
 
 
 def _allreduce(tensor, op=Average, compression=None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0, name: Optional[str] = None):
+               postscale_factor: float = 1.0, name: Optional[str] = None,
+               process_set=global_process_set):
     """Reduce a dense `tensor` (tf.Tensor or tf.Variable) over all ranks (Horovod's
     `mpi_ops._allreduce`; `horolite.tensorflow.allreduce` is the public form)."""
     from .compression import Compression
@@ -68,12 +69,14 @@ def _allreduce(tensor, op=Average, compression=None, prescale_factor: float = 1.
     tensor = _as_tensor(tensor)
     name = _resolve_name(name, "HorovodAllreduce", tensor)
     compressed, ctx = compression.compress(tensor)
-    reduced = _allreduce_dense(compressed, op, name, float(prescale_factor), float(postscale_factor))
+    reduced = _allreduce_dense(compressed, op, name, float(prescale_factor), float(postscale_factor),
+                               process_set)
     return compression.decompress(reduced, ctx)
 
 
 def _grouped_allreduce(tensors, op=Average, compression=None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0, name: Optional[str] = None):
+                       postscale_factor: float = 1.0, name: Optional[str] = None,
+                       process_set=global_process_set):
     """Allreduce a list of dense tensors as one group (they negotiate and fuse together)."""
     from .compression import Compression
     compression = compression or Compression.none
@@ -86,7 +89,7 @@ def _grouped_allreduce(tensors, op=Average, compression=None, prescale_factor: f
     pairs = [compression.compress(t) for t in tensors]
 
     def reduce_all(xs, nm):
-        hid = enqueue_grouped_allreduce(xs, nm, op, pre, post)
+        hid = enqueue_grouped_allreduce(xs, nm, op, pre, post, process_set)
         return wait(hid, [x.dtype for x in xs], [x.shape for x in xs])
 
     @tf.custom_gradient
@@ -102,13 +105,13 @@ def _grouped_allreduce(tensors, op=Average, compression=None, prescale_factor: f
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
 
-def _allgather_raw(x: tf.Tensor, name) -> tf.Tensor:
-    return _allgather_with_rows(x, name)[0]
+def _allgather_raw(x: tf.Tensor, name, process_set=global_process_set) -> tf.Tensor:
+    return _allgather_with_rows(x, name, process_set)[0]
 
 
-def _allgather_with_rows(x: tf.Tensor, name):
+def _allgather_with_rows(x: tf.Tensor, name, process_set=global_process_set):
     """(the gathered tensor, every rank's first dimension)."""
-    hid = _enqueue(lambda a: _core.allgather_async(a, name), [x])
+    hid = _enqueue(lambda a: _core.allgather_async(a, name, process_set), [x])
     return wait(hid, [x.dtype], [tf.TensorShape([None]).concatenate(x.shape[1:])], with_rows=True)
 
 
@@ -120,10 +123,11 @@ def allgather(tensor, name: Optional[str] = None, ignore_name_scope: bool = Fals
     ranks, then this rank's rows.
     """
     check_process_set(process_set, "allgather")
-    return allgather_with_gradient(tensor, name, ReduceOp.AVERAGE)
+    return allgather_with_gradient(tensor, name, ReduceOp.AVERAGE, process_set)
 
 
-def allgather_with_gradient(tensor, name: Optional[str], grad_op: ReduceOp) -> tf.Tensor:
+def allgather_with_gradient(tensor, name: Optional[str], grad_op: ReduceOp,
+                            process_set=global_process_set) -> tf.Tensor:
     """allgather whose gradient reduces the upstream gradient with `grad_op` (Average for
     Horovod's allgather; Sum where every rank's loss counts, as in SyncBatchNormalization)."""
     tensor = _as_tensor(tensor)
@@ -131,19 +135,19 @@ def allgather_with_gradient(tensor, name: Optional[str], grad_op: ReduceOp) -> t
 
     @tf.custom_gradient
     def fn(x):
-        y, rows = _allgather_with_rows(x, name)
-        return y, lambda dy: _allgather_grad(x, dy, rows, name, grad_op)
+        y, rows = _allgather_with_rows(x, name, process_set)
+        return y, lambda dy: _allgather_grad(x, dy, rows, name, grad_op, process_set)
     return fn(tensor)
 
 
 def _allgather_grad(x: tf.Tensor, dy, rows: tf.Tensor, name: Optional[str],
-                    op: ReduceOp = ReduceOp.AVERAGE) -> tf.Tensor:
+                    op: ReduceOp = ReduceOp.AVERAGE, process_set=global_process_set) -> tf.Tensor:
     """The upstream gradient reduced over ranks with `op`, then this rank's rows
     (found from every rank's first dimension, which the forward allgather learnt)."""
     dy = tf.convert_to_tensor(dy)
     reduced = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodAllgatherGrad", dy),
-                             op, 1.0, 1.0)
-    start = tf.reduce_sum(rows[:_core.rank()])
+                             op, 1.0, 1.0, process_set)
+    start = tf.reduce_sum(rows[:set_rank(process_set)])
     return tf.slice(reduced, tf.concat([[start], tf.zeros([tf.rank(dy) - 1], tf.int64)], 0),
                     tf.shape(x, out_type=tf.int64))
 
@@ -152,8 +156,11 @@ def grouped_allgather(tensors, name: Optional[str] = None, ignore_name_scope: bo
                       process_set=global_process_set) -> List[tf.Tensor]:
     """allgather of each tensor, submitted as one group (one enqueue op; they negotiate together)."""
     check_process_set(process_set, "grouped_allgather")
-    return _grouped_along_first_dim(tensors, name, "HorovodGroupedAllgather",
-                                    _core.grouped_allgather_async, _allgather_grad, with_rows=True)
+    return _grouped_along_first_dim(
+        tensors, name, "HorovodGroupedAllgather",
+        lambda arrays, nm: _core.grouped_allgather_async(arrays, nm, process_set),
+        lambda x, dy, rows, nm: _allgather_grad(x, dy, rows, nm, ReduceOp.AVERAGE, process_set),
+        with_rows=True)
 
 
 def _grouped_along_first_dim(tensors, name: Optional[str], kind: str, submit: Callable,
@@ -180,8 +187,9 @@ def _grouped_along_first_dim(tensors, name: Optional[str], kind: str, submit: Ca
     return list(fn(*tensors))
 
 
-def _broadcast_raw(x: tf.Tensor, root_rank: int, name) -> tf.Tensor:
-    return _run(lambda a: _core.broadcast_async(a, root_rank, name), [x], [x.dtype], [x.shape])[0]
+def _broadcast_raw(x: tf.Tensor, root_rank: int, name, process_set=global_process_set) -> tf.Tensor:
+    return _run(lambda a: _core.broadcast_async(a, root_rank, name, process_set), [x], [x.dtype],
+                [x.shape])[0]
 
 
 def broadcast(tensor, root_rank: int, name: Optional[str] = None, ignore_name_scope: bool = False,
@@ -198,12 +206,12 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None, ignore_name_sc
 
     @tf.custom_gradient
     def fn(x):
-        y = _broadcast_raw(x, root_rank, name)
+        y = _broadcast_raw(x, root_rank, name, process_set)
 
         def grad(dy):
             dy = tf.convert_to_tensor(dy)
             averaged = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodBroadcastGrad", dy),
-                                      ReduceOp.AVERAGE, 1.0, 1.0)
+                                      ReduceOp.AVERAGE, 1.0, 1.0, process_set)
             if _core.rank() == root_rank:
                 return averaged
             # Keep the allreduce in the graph on every rank: the root waits for it.
@@ -213,17 +221,17 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None, ignore_name_sc
     return fn(tensor)
 
 
-def _alltoall_raw(x: tf.Tensor, splits: Optional[tf.Tensor], name):
+def _alltoall_raw(x: tf.Tensor, splits: Optional[tf.Tensor], name, process_set=global_process_set):
     """Always returns (rows received, splits received): the gradient needs the latter."""
     out_shape = tf.TensorShape([None]).concatenate(x.shape[1:])
-    n = _core.size()
+    n = set_size(process_set)
 
     def submit(a, *s):
         if s:
-            return _core.alltoall_async(a, s[0], name)
+            return _core.alltoall_async(a, s[0], name, process_set)
         if a.ndim and a.shape[0] % n == 0:  # equal parts, but ask for the received splits too
-            return _core.alltoall_async(a, np.full(n, a.shape[0] // n, np.int64), name)
-        return _core.alltoall_async(a, None, name)  # the runtime reports the error
+            return _core.alltoall_async(a, np.full(n, a.shape[0] // n, np.int64), name, process_set)
+        return _core.alltoall_async(a, None, name, process_set)  # the runtime reports the error
     inputs = [x] if splits is None else [x, splits]
     out, received = _run(submit, inputs, [x.dtype, tf.int64], [out_shape, [n]])
     return out, received
@@ -245,11 +253,12 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope:
 
     @tf.custom_gradient
     def fn(x):
-        out, received = _alltoall_raw(x, splits_t, name)
+        out, received = _alltoall_raw(x, splits_t, name, process_set)
 
         def grad(dy, *_):
             dy = tf.convert_to_tensor(dy)
-            back, _ = _alltoall_raw(dy, received, _resolve_name(_grad_name(name), "HorovodAlltoallGrad", dy))
+            back, _ = _alltoall_raw(dy, received, _resolve_name(_grad_name(name), "HorovodAlltoallGrad", dy),
+                                    process_set)
             return back
         return (out, received), grad
 
@@ -257,13 +266,13 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope:
     return (out, received) if with_splits else out
 
 
-def _reducescatter_raw(x: tf.Tensor, op, name) -> tf.Tensor:
-    return _run(lambda a: _core.reducescatter_async(a, op, name), [x], [x.dtype],
+def _reducescatter_raw(x: tf.Tensor, op, name, process_set=global_process_set) -> tf.Tensor:
+    return _run(lambda a: _core.reducescatter_async(a, op, name, process_set), [x], [x.dtype],
                 [tf.TensorShape([None]).concatenate(x.shape[1:])])[0]
 
 
 def _reducescatter(tensor, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                   postscale_factor: float = 1.0) -> tf.Tensor:
+                   postscale_factor: float = 1.0, process_set=global_process_set) -> tf.Tensor:
     """Reduce over ranks; rank r keeps the r-th part of the first dimension
     (the first rows % size ranks get one extra row). The scale factors multiply
     the input and the result (integers: in double, truncated toward zero).
@@ -276,7 +285,8 @@ def _reducescatter(tensor, op=Average, name: Optional[str] = None, prescale_fact
 
     @tf.custom_gradient
     def fn(x):
-        return _reducescatter_raw(x, op, name), lambda dy: _reducescatter_grad(dy, op, name)
+        return (_reducescatter_raw(x, op, name, process_set),
+                lambda dy: _reducescatter_grad(dy, op, name, process_set))
     return scale(fn(scale(tensor, prescale_factor)), postscale_factor)
 
 
@@ -297,22 +307,25 @@ def _check_reducescatter_op(op) -> ReduceOp:
     return op
 
 
-def _reducescatter_grad(dy, op: ReduceOp, name: Optional[str]) -> tf.Tensor:
+def _reducescatter_grad(dy, op: ReduceOp, name: Optional[str],
+                        process_set=global_process_set) -> tf.Tensor:
     """Horovod's: the allgather of the upstream gradient, times size for Sum."""
     dy = tf.convert_to_tensor(dy)
     if op == ReduceOp.SUM:
-        dy = dy * tf.cast(_core.size(), dy.dtype)
-    return _allgather_raw(dy, _resolve_name(_grad_name(name), "HorovodReducescatterGrad", dy))
+        dy = dy * tf.cast(set_size(process_set), dy.dtype)
+    return _allgather_raw(dy, _resolve_name(_grad_name(name), "HorovodReducescatterGrad", dy),
+                          process_set)
 
 
 def _grouped_reducescatter(tensors, op=Average, name: Optional[str] = None,
-                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[tf.Tensor]:
+                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                           process_set=global_process_set) -> List[tf.Tensor]:
     """reducescatter of each tensor, submitted as one group (one enqueue op)."""
     op = _check_reducescatter_op(op)
     out = _grouped_along_first_dim(
         [scale(_as_tensor(t), prescale_factor) for t in tensors], name, "HorovodGroupedReducescatter",
-        lambda arrays, nm: _core.grouped_reducescatter_async(arrays, op, nm),
-        lambda x, dy, rows, nm: _reducescatter_grad(dy, op, nm))
+        lambda arrays, nm: _core.grouped_reducescatter_async(arrays, op, nm, process_set),
+        lambda x, dy, rows, nm: _reducescatter_grad(dy, op, nm, process_set))
     return [scale(t, postscale_factor) for t in out]
 
 
@@ -327,40 +340,35 @@ def join() -> tf.Tensor:
     return out
 
 
-def barrier():
-    """Return once every rank has called barrier() (an op in graphs)."""
+def barrier(process_set=global_process_set):
+    """Return once every rank (of the process set) has called barrier() (an op in graphs)."""
+    check_process_set(process_set, "barrier")
     if tf.executing_eagerly():
         try:
-            _core.barrier()
+            _core.barrier(process_set)
         except HorovodInternalError as e:
             raise to_tf_error(e) from e
         return None
-    return tf.numpy_function(lambda: (_core.barrier(), np.int32(0))[1], [], tf.int32,
+    return tf.numpy_function(lambda: (_core.barrier(process_set), np.int32(0))[1], [], tf.int32,
                              stateful=True, name="HorolitBarrier")
 
 
-def _check_set_id(process_set_id: int, what: str) -> None:
-    if int(process_set_id) != 0:
-        check_process_set(_unknown_set(process_set_id), what)
-
-
-def _unknown_set(process_set_id: int):
-    from .process_sets import ProcessSet
-    ps = ProcessSet([])
-    ps.process_set_id = int(process_set_id)
-    return ps
+def _set_ranks(process_set_id: int) -> list:
+    from horolite.process_sets import get_process_set_ids_and_ranks
+    ranks = get_process_set_ids_and_ranks().get(int(process_set_id))
+    if ranks is None:
+        raise ValueError("Process set does not exist or has not been registered.")
+    return ranks
 
 
 def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
-    """The number of ranks, as an int32 tensor."""
-    _check_set_id(process_set_id, "size_op")
-    return tf.constant(_core.size(), tf.int32, name=name)
+    """The number of ranks (of the process set), as an int32 tensor."""
+    return tf.constant(len(_set_ranks(process_set_id)), tf.int32, name=name)
 
 
 def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
-    """1 (int32) when this rank belongs to the process set: always, for the global set."""
-    _check_set_id(process_set_id, "process_set_included_op")
-    return tf.constant(1, tf.int32, name=name)
+    """1 (int32) when this rank belongs to the process set, else 0."""
+    return tf.constant(int(_core.rank() in _set_ranks(process_set_id)), tf.int32, name=name)
 
 
 def rank_op(name: Optional[str] = None) -> tf.Tensor:

@@ -307,9 +307,9 @@ def test_inplace_broadcast_eager_and_graph():
 
 
 def test_refusals_name_what_is_not_supported():
-    with pytest.raises(NotImplementedError, match="process sets other than hvd.global_process_set"):
+    with pytest.raises(hvd.InvalidCollectiveError, match="is not a ProcessSet"):
         hvd.broadcast_([tf.Variable(1.0)], 0, process_set=object())
-    with pytest.raises(NotImplementedError, match="process sets other than hvd.global_process_set"):
+    with pytest.raises(hvd.InvalidCollectiveError, match="is not a ProcessSet"):
         hvd.broadcast_object_fn(process_set=object())
     for call in (lambda: hvd.reducescatter(tf.ones([N, 2]), op=hvd.Max),
                  lambda: hvd.grouped_reducescatter([tf.ones([N, 2])], op=hvd.Max)):

@@ -76,14 +76,15 @@ def test_op_none_is_average_and_keywords_are_accepted():
     assert int(hvd.size_op(process_set_id=0)) == N and int(hvd.process_set_included_op()) == 1
 
 
-def test_other_process_sets_are_refused_naming_the_set():
-    subset = hvd.ProcessSet([0])
+def test_unregistered_process_sets_are_refused_naming_the_set():
+    subset = hvd.ProcessSet([0])  # never passed to init() nor add_process_set()
     for call in (lambda: hvd.allreduce(tf.ones(2), process_set=subset),
-                 lambda: hvd.DistributedGradientTape(tf.GradientTape(), process_set=subset),
-                 lambda: hvd.add_process_set([0]),
-                 lambda: hvd.init(process_sets=[subset])):
-        with pytest.raises(NotImplementedError, match=r"ranks=\[0\].*global_process_set|add_process_set"):
+                 lambda: hvd.DistributedGradientTape(tf.GradientTape(), process_set=subset)
+                 if R == 0 else hvd.allreduce(tf.ones(2), process_set=subset)):
+        with pytest.raises(hvd.InvalidCollectiveError, match=r"ranks=\[0\].*not registered"):
             call()
+    with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS=1"):
+        hvd.add_process_set([0])
     with pytest.raises(NotImplementedError, match="elastic"):
         hvd.elastic.TensorFlowKerasState  # noqa: B018
 

@@ -104,11 +104,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     and reduced and applied on every N-th batch; `iterations` still counts
     every batch, as in Horovod.
     """
-    check_process_set(process_set, "DistributedOptimizer")
     check_arguments(op, gradient_predivide_factor, backward_passes_per_step)
     reducer = GradientReducer(name or f"Distributed{type(optimizer).__name__}", compression,
                               sparse_as_dense, op, gradient_predivide_factor, num_groups, groups,
-                              scale_local_gradients)
+                              scale_local_gradients, process_set)
     new = _distributed_class(type(optimizer)).from_config(optimizer.get_config())
     new._horolite_setup(reducer, int(backward_passes_per_step), average_aggregated_gradients)
     return new

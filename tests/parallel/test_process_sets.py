@@ -1,0 +1,215 @@
+"""Process sets: every collective over a subset of ranks, against NumPy references
+from each rank's known inputs; disjoint and overlapping sets, dynamic add/remove,
+sets submitted in different orders on different ranks, errors that name the set."""
+import os
+import re
+
+import numpy as np
+import pytest
+
+import horolite as hvd
+from horolite import process_sets as ps_mod
+
+os.environ["HOROLITE_DYNAMIC_PROCESS_SETS"] = "1"  # add/remove below; the list works as well
+
+SIZE_HINT = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+SPECS = {"even": list(range(0, SIZE_HINT, 2)), "odd": list(range(1, SIZE_HINT, 2)),
+         "low": [0, 1], "high": list(range(1, SIZE_HINT))}
+SETS = {}
+_by_ranks = {}
+for _name, _ranks in SPECS.items():
+    if not _ranks or max(_ranks) >= SIZE_HINT or _ranks == list(range(SIZE_HINT)):
+        continue  # empty, beyond the job, or the global set itself
+    SETS[_name] = _by_ranks.setdefault(tuple(_ranks), hvd.ProcessSet(_ranks))
+if SIZE_HINT >= 4:  # a set made from an mpi4py communicator: job ranks 0 and 3
+    from mpi4py import MPI
+    _world = MPI.COMM_WORLD.Get_rank()
+    SETS["comm"] = _by_ranks[(0, 3)] = hvd.ProcessSet(
+        MPI.COMM_WORLD.Split(0 if _world in (0, 3) else MPI.UNDEFINED, _world))
+hvd.init(process_sets=list(_by_ranks.values()))
+RANK, SIZE = hvd.rank(), hvd.size()
+assert SIZE == SIZE_HINT
+MINE = [(n, s) for n, s in sorted(SETS.items()) if RANK in s.ranks]
+multi = pytest.mark.skipif(SIZE < 3, reason="a subset of two ranks needs a third outside it")
+
+
+def data(rank, shape, key):
+    """Rank `rank`'s input for `key`: known on every rank, so references need no MPI."""
+    seed = (rank + 1) * 7919 + sum(map(ord, key))
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+def test_a_set_from_a_communicator_learns_its_ranks():
+    if "comm" not in SETS:
+        pytest.skip("needs 4 ranks")
+    assert SETS["comm"].ranks == [0, 3] and SETS["comm"].mpi_comm is not None
+
+
+def test_set_queries():
+    table = ps_mod.get_process_set_ids_and_ranks()
+    assert table[0] == list(range(SIZE)) == hvd.global_process_set.ranks
+    assert hvd.global_process_set.size() == SIZE and hvd.global_process_set.rank() == RANK
+    ids = {s.process_set_id for s in SETS.values()}
+    assert 0 not in ids and None not in ids and len(ids) == len(_by_ranks)
+    for name, s in SETS.items():
+        assert table[s.process_set_id] == s.ranks
+        assert s.size() == len(s.ranks)
+        assert s.included() == (RANK in s.ranks)
+        if RANK in s.ranks:
+            assert s.rank() == s.ranks.index(RANK)
+        else:
+            with pytest.raises(ValueError, match="not part of provided process set"):
+                s.rank()
+    assert hvd.ProcessSet([2, 0]).ranks == [0, 2] and hvd.ProcessSet([2, 0]).size() is None
+
+
+@pytest.mark.parametrize("name", sorted(SETS))
+def test_every_collective(name):
+    s = SETS[name]
+    if RANK not in s.ranks:
+        pytest.skip("not a member")
+    members, me, n = s.ranks, s.ranks.index(RANK), len(s.ranks)
+    key = f"{name}.{s.process_set_id}"
+    got = hvd.allreduce(data(RANK, (5, 3), key), op=hvd.Sum, name=f"ar.{key}", process_set=s)
+    np.testing.assert_allclose(got, sum(data(r, (5, 3), key) for r in members))
+    got = hvd.allreduce(data(RANK, 4, key), process_set=s)  # Average, a generated name
+    np.testing.assert_allclose(got, sum(data(r, 4, key) for r in members) / n)
+    a, b = hvd.grouped_allreduce([data(RANK, 3, key + "a"), data(RANK, (2, 2), key + "b")],
+                                 op=hvd.Sum, name=f"gar.{key}", process_set=s)
+    np.testing.assert_allclose(a, sum(data(r, 3, key + "a") for r in members))
+    np.testing.assert_allclose(b, sum(data(r, (2, 2), key + "b") for r in members))
+    # allgather: rows differ per rank; results in set-rank order
+    got = hvd.allgather(data(RANK, (RANK + 1, 2), key), name=f"ag.{key}", process_set=s)
+    np.testing.assert_allclose(got, np.concatenate([data(r, (r + 1, 2), key) for r in members]))
+    g1, g2 = hvd.grouped_allgather([np.full(2, RANK), np.full((1, 3), -RANK)], process_set=s)
+    assert g1.tolist() == [r for r in members for _ in range(2)]
+    assert g2.tolist() == [[-r] * 3 for r in members]
+    # broadcast: root_rank is a job rank, as in Horovod
+    root = members[-1]
+    got = hvd.broadcast(data(RANK, 6, key), root_rank=root, name=f"bc.{key}", process_set=s)
+    np.testing.assert_allclose(got, data(root, 6, key))
+    # alltoall: row d goes to set rank d
+    send = np.array([100 * RANK + d for d in range(n) for _ in range(2)], np.int64)
+    got = hvd.alltoall(send, name=f"a2a.{key}", process_set=s)
+    assert got.tolist() == [100 * r + me for r in members for _ in range(2)]
+    splits = [d + 1 for d in range(n)]
+    send = np.concatenate([np.full(d + 1, 10 * RANK + d) for d in range(n)])
+    got, received = hvd.alltoall(send, splits=splits, name=f"a2s.{key}", process_set=s)
+    assert received.tolist() == [me + 1] * n
+    assert got.tolist() == [10 * r + me for r in members for _ in range(me + 1)]
+    # reducescatter: set rank r keeps the r-th part
+    full = sum(data(r, (2 * n, 3), key) for r in members)
+    got = hvd.reducescatter(data(RANK, (2 * n, 3), key), op=hvd.Sum, name=f"rs.{key}",
+                            process_set=s)
+    np.testing.assert_allclose(got, full[2 * me:2 * me + 2])
+    (got,) = hvd.grouped_reducescatter([data(RANK, (2 * n, 3), key)], op=hvd.Average,
+                                       process_set=s)
+    np.testing.assert_allclose(got, full[2 * me:2 * me + 2] / n)
+    handle = hvd.allreduce_async(np.full(2, 1.0), op=hvd.Sum, name=f"async.{key}", process_set=s)
+    hvd.barrier(process_set=s)
+    np.testing.assert_allclose(hvd.synchronize(handle), np.full(2, float(n)))
+
+
+def test_non_member_gets_an_error_naming_the_set():
+    for name, s in sorted(SETS.items()):
+        if RANK in s.ranks:
+            continue
+        with pytest.raises(hvd.InvalidCollectiveError,
+                           match=re.escape(f"allreduce: rank {RANK} is not a member of process "
+                                           f"set {s.process_set_id} (job ranks {s.ranks})")):
+            hvd.allreduce(np.ones(2), name="outsider", process_set=s)
+        with pytest.raises(hvd.InvalidCollectiveError, match=f"process set {s.process_set_id}"):
+            hvd.barrier(process_set=s)
+    unregistered = hvd.ProcessSet([0])
+    with pytest.raises(hvd.InvalidCollectiveError, match="not registered"):
+        hvd.allgather(np.ones(1), process_set=unregistered)
+    np.testing.assert_allclose(hvd.allreduce(np.ones(2), op=hvd.Sum, name="after.outsider"),
+                               np.full(2, float(SIZE)))
+
+
+@multi
+def test_broadcast_root_outside_the_set():
+    s = SETS["low"]
+    if RANK not in s.ranks:
+        pytest.skip("not a member")
+    with pytest.raises(hvd.InvalidCollectiveError, match=r"root_rank 2 is not a member of process set"):
+        hvd.broadcast(np.ones(1), root_rank=2, process_set=s)
+
+
+@multi
+def test_sets_submitted_in_different_orders_do_not_deadlock():
+    # Rank 0 submits low's tensor, then the global one; rank 1 the other way round.
+    low = SETS["low"]
+    handles = {}
+    order = ["low", "global"] if RANK == 0 else ["global", "low"]
+    for which in order:
+        if which == "low" and RANK in low.ranks:
+            handles[which] = hvd.allreduce_async(np.full(3, RANK + 1.0), op=hvd.Sum, name="order",
+                                                 process_set=low)
+        elif which == "global":
+            handles[which] = hvd.allreduce_async(np.full(3, RANK + 1.0), op=hvd.Sum, name="order")
+    np.testing.assert_allclose(handles["global"].result(timeout=60), np.full(3, SIZE * (SIZE + 1) / 2))
+    if "low" in handles:
+        np.testing.assert_allclose(handles["low"].result(timeout=60), np.full(3, 3.0))
+    # Two overlapping subsets, in opposite orders on the rank they share.
+    even, high = SETS["even"], SETS["high"]
+    mine = [s for s in ([even, high] if RANK % 4 == 2 else [high, even]) if RANK in s.ranks]
+    hs = [(s, hvd.allgather_async(np.array([RANK]), name="both", process_set=s)) for s in mine]
+    for s, h in hs:
+        assert h.result(timeout=60).tolist() == s.ranks
+
+
+@multi
+def test_mismatch_names_the_set_and_job_ranks_and_the_set_keeps_working():
+    s = SETS["high"]  # job ranks 1.., numbered 0.. within the set
+    if RANK not in s.ranks:
+        pytest.skip("not a member")
+    with pytest.raises(hvd.TensorMismatchError) as info:
+        hvd.allreduce(np.ones(1 + RANK), name="ps.mm", process_set=s)
+    shapes = ", ".join(f"rank {r} had ({1 + r},)" for r in s.ranks)
+    assert str(info.value) == (f"process set {s.process_set_id} (job ranks {s.ranks}): "
+                               f"tensor 'ps.mm': mismatched shape: {shapes}")
+    got = hvd.allreduce(np.full(2, RANK + 1.0), op=hvd.Sum, name="ps.mm.after", process_set=s)
+    np.testing.assert_allclose(got, np.full(2, float(sum(r + 1 for r in s.ranks))))
+
+
+def test_dynamic_add_and_remove():
+    table = ps_mod.get_process_set_ids_and_ranks()
+    candidates = [[0, SIZE - 1], [SIZE - 1], [0]]
+    fresh = next((c for c in candidates if sorted(set(c)) not in table.values()), None)
+    if fresh is None:  # one rank: every set is the global one
+        with pytest.raises(ValueError, match="duplicate process set"):
+            hvd.add_process_set([0])
+        assert hvd.remove_process_set(hvd.global_process_set) is False
+        return
+    with pytest.raises(ValueError, match="differs by rank"):
+        hvd.add_process_set([0] if RANK == 0 else [SIZE - 1])
+    added = hvd.add_process_set(fresh)
+    assert added.process_set_id not in table and added.size() == len(set(fresh))
+    assert ps_mod.get_process_set_ids_and_ranks()[added.process_set_id] == sorted(set(fresh))
+    if RANK in added.ranks:
+        got = hvd.allreduce(np.full(2, RANK), op=hvd.Sum, name="dyn", process_set=added)
+        assert got.tolist() == [sum(added.ranks)] * 2
+    with pytest.raises(ValueError, match="duplicate process set"):
+        hvd.add_process_set(hvd.ProcessSet(fresh))
+    old_id = added.process_set_id
+    assert hvd.remove_process_set(added) is True
+    assert added.process_set_id is None and added.size() is None
+    assert old_id not in ps_mod.get_process_set_ids_and_ranks()
+    assert hvd.remove_process_set(added) is False
+    assert hvd.remove_process_set(hvd.global_process_set) is False
+    with pytest.raises(hvd.InvalidCollectiveError, match="not registered"):
+        hvd.allreduce(np.ones(1), process_set=added)
+    again = hvd.add_process_set(fresh)  # the same ranks may come back
+    if RANK in again.ranks:
+        hvd.barrier(process_set=again)
+    assert hvd.remove_process_set(again) is True
+    np.testing.assert_allclose(hvd.allreduce(np.ones(1), op=hvd.Sum, name="after.dyn"), [SIZE])
+
+
+def test_add_needs_dynamic(monkeypatch):
+    monkeypatch.setattr(ps_mod, "_dynamic", False)
+    with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS=1"):
+        hvd.add_process_set([0])
+    with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS=1"):
+        hvd.remove_process_set(hvd.ProcessSet([0]))
