@@ -9,17 +9,15 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from functools import lru_cache
 from typing import List, Optional, Sequence
 
 import numpy as np
 
 from . import device as _device
-from . import kernels
 from . import basics as _basics
 from .basics import runtime
 from .errors import InvalidCollectiveError
-from .execution import OutputPool
+from .grouping import one_handle, pack_host_group, split_group
 from .handle import Handle
 from .messages import JOIN_NAME, Kind, Request
 from .ops import MOVABLE_DTYPES, REDUCIBLE_DTYPES, Average, ReduceOp, dtype_name
@@ -195,15 +193,15 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
     if not (math.isfinite(pre) and math.isfinite(post)):
         for i, a in enumerate(arrays):
             _check_scales(np.asarray(a) if not hasattr(a, "dtype") else a, f"{base}.{i}", pre, post)
-    packed = _pack_host_group(arrays, base)
+    packed = pack_host_group(arrays, base)
     if packed is None:
         arrays = [_as_array(a, f"{base}.{i}", Kind.ALLREDUCE, rt) for i, a in enumerate(arrays)]
         if arrays and all(isinstance(a, np.ndarray) for a in arrays) and \
                 len({a.dtype for a in arrays}) == 1:
-            packed = _pack_host_group(arrays, base)
+            packed = pack_host_group(arrays, base)
     if packed is not None:
         flat, shapes = packed
-        return _submit(Kind.ALLREDUCE, flat, base, transform=lambda out: _split(out, shapes),
+        return _submit(Kind.ALLREDUCE, flat, base, transform=lambda out: split_group(out, shapes),
                        rt=rt, op=int(op), prescale=float(prescale_factor),
                        postscale=float(postscale_factor), group=shapes, quorum=k)
     if k:
@@ -213,107 +211,9 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
             f"({'device arrays' if any(not isinstance(a, np.ndarray) for a in arrays) else 'host arrays'})")
     if borrowed:
         arrays = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in arrays]
-    return _one_handle(base, [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor,
+    return one_handle(base, [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor,
                                               process_set=process_set)
                               for i, a in enumerate(arrays)], rt)
-
-
-def _one_handle(name: str, children: List[Handle], rt=None) -> Handle:
-    """A handle done when all `children` are: their results as a list, or the first error."""
-    group = SetHandle(name, None, rt.set_label) if rt is not None and rt.set_label else Handle(name)
-    if not children:
-        group._set_result([])
-        return group
-    remaining = [len(children)]
-    lock = threading.Lock()
-
-    def child_done(_):
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        errors = [c.exception() for c in children if c.exception() is not None]
-        if any(c.first_dims is not None for c in children):  # allgathers
-            group.first_dims = [c.first_dims for c in children]
-        if errors:
-            group._set_exception(errors[0])
-        else:
-            group._set_result([c.result() for c in children])
-
-    for child in children:
-        child.add_done_callback(child_done)
-    return group
-
-
-# Packed groups: where each member starts, and the buffers packing reuses.
-_GROUP_ALIGN = 64  # bytes: TensorFlow copies a NumPy result that is not this aligned
-_group_buffers = OutputPool()  # (a fresh buffer of many MiB per step costs its page faults)
-_group_buffers_lock = threading.Lock()
-_zeros = {}  # dtype -> _GROUP_ALIGN zero bytes, the padding between members
-
-
-def _pack_host_group(arrays: list, base: str):
-    """(one flat array, the shapes) for NumPy arrays of one reducible dtype, else None.
-
-    The common case of a grouped step (hundreds of small gradients) takes one
-    pass here: per-array checks cost more than copying 4 KiB.
-    """
-    if not arrays:
-        return None
-    dtype = getattr(arrays[0], "dtype", None)
-    for a in arrays:
-        if a.__class__ is not np.ndarray or a.dtype != dtype:
-            return None
-    if not dtype.isnative:
-        return None  # converted member by member first
-    dname = dtype_name(dtype)
-    if dname not in REDUCIBLE_DTYPES:
-        raise InvalidCollectiveError(
-            f"tensor '{base}.0': dtype {dname} is not supported by "
-            f"{Kind.ALLREDUCE.label}; supported: {', '.join(REDUCIBLE_DTYPES)}")
-    shapes = tuple([a.shape for a in arrays])
-    total, gaps = _layout(shapes, dtype.itemsize)[1:]
-    with _group_buffers_lock:
-        flat = _group_buffers.empty((total,), dtype)
-    if gaps:
-        # the padding travels too, as zeros (reduced, it stays zero)
-        pad = _zeros.get(dtype)
-        if pad is None:
-            pad = _zeros[dtype] = np.zeros(_GROUP_ALIGN // dtype.itemsize, dtype)
-        parts = []
-        for a, gap in zip(arrays, gaps):
-            parts.append(a)
-            if gap:
-                parts.append(pad[:gap])
-    else:
-        parts = arrays
-    try:
-        kernels.pack_into(flat, parts)
-    except ValueError:  # a non-contiguous member: copy those first
-        parts = [a if a.flags.c_contiguous else a.copy(order="C") for a in parts]
-        kernels.pack_into(flat, parts)
-    return flat, shapes
-
-
-@lru_cache(maxsize=256)
-def _layout(shapes, itemsize: int) -> tuple:
-    """(where each member sits in the flat buffer, its length in elements, the padding
-    after each member in elements); a step repeats its shapes."""
-    align = _GROUP_ALIGN // itemsize
-    spans, gaps, offset = [], [], 0
-    for k, shape in enumerate(shapes):
-        n = math.prod(shape)
-        spans.append((slice(offset, offset + n), None if len(shape) == 1 else shape))
-        offset += n
-        gap = -offset % align if k + 1 < len(shapes) else 0
-        gaps.append(gap)
-        offset += gap
-    return tuple(spans), offset, tuple(gaps) if any(gaps) else ()
-
-
-def _split(flat: np.ndarray, shapes) -> List[np.ndarray]:
-    return [flat[span] if shape is None else flat[span].reshape(shape)
-            for span, shape in _layout(shapes, flat.itemsize)[0]]
 
 
 def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None,
@@ -345,7 +245,7 @@ def grouped_allgather_async(arrays: Sequence, name: Optional[str] = None,
     negotiate in the same cycles); the result is the list of gathered arrays."""
     rt = runtime_for(process_set, "grouped_allgather")
     base = name or _auto_name("grouped_allgather", rt)
-    return _one_handle(base, [allgather_async(a, f"{base}.{i}", process_set)
+    return one_handle(base, [allgather_async(a, f"{base}.{i}", process_set)
                               for i, a in enumerate(arrays)], rt)
 
 
@@ -428,7 +328,7 @@ def grouped_reducescatter_async(arrays: Sequence, op=Average, name: Optional[str
     """One handle for several reducescatters, submitted together; results as a list."""
     rt = runtime_for(process_set, "grouped_reducescatter")
     base = name or _auto_name("grouped_reducescatter", rt)
-    return _one_handle(base, [reducescatter_async(a, op, f"{base}.{i}", process_set)
+    return one_handle(base, [reducescatter_async(a, op, f"{base}.{i}", process_set)
                               for i, a in enumerate(arrays)], rt)
 
 

@@ -65,7 +65,7 @@ def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
 
 
 def test_group_layout_pads_members_to_64_bytes():
-    from horolite.collectives import _layout
+    from horolite.grouping import _layout
     spans, total, gaps = _layout(((10,), (2, 3), (16,), (5,)), 4)
     # float32: 16 elements per 64 bytes; no padding after the last member
     assert [s.start for s, _ in spans] == [0, 16, 32, 48]
