@@ -79,11 +79,31 @@ class JobEnd:
         self._doom(error)
 
     def _doom(self, error: BaseException) -> None:
+        """This rank cannot go on: its collectives fail, every process set's on it too."""
+        first = self.doomed is None
         # Doomed first: user code woken by the failed handles must see the cause is known.
         self.doomed = self.doomed or error
         self._fail_pending(error)
         if self._hard_exit is None:
             self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}")
+        if first:
+            from . import process_sets
+            for other in process_sets.runtimes():
+                if other is not self:
+                    other.doom_from_sibling(error)
+
+    def doom_from_sibling(self, error: BaseException) -> None:
+        """Another runtime of this process (another process set's) was doomed: fail this
+        one's pending and later collectives with the same error (the caller's thread; this
+        runtime's own thread may be waiting on the rank that failed)."""
+        if self.doomed is not None:
+            return
+        self.doomed = error
+        self._fatal = self._fatal or error
+        for entry in self.queue.close(error):
+            exc = type(error)(f"tensor '{entry.request.name}': {error}")
+            exc.horolite_peer = getattr(error, "horolite_peer", None)
+            entry.handle._set_exception(exc)
 
     def _shutdown_error(self) -> ShutdownError:
         """Who stopped the job, and how (one small allgather: every rank agreed on the

@@ -243,29 +243,6 @@ class Runtime(JobEnd):
             self._end_for_failure(None, HorovodInternalError(
                 f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
 
-    def _doom(self, error: BaseException) -> None:
-        """This rank cannot go on: every process set's collectives on it fail too."""
-        first = self.doomed is None
-        super()._doom(error)
-        if first:
-            from . import process_sets
-            for other in process_sets.runtimes():
-                if other is not self:
-                    other.doom_from_sibling(error)
-
-    def doom_from_sibling(self, error: BaseException) -> None:
-        """Another runtime of this process (another process set's) was doomed: fail this
-        one's pending and later collectives with the same error (the caller's thread; this
-        runtime's own thread may be waiting on the rank that failed)."""
-        if self.doomed is not None:
-            return
-        self.doomed = error
-        self._fatal = self._fatal or error
-        for entry in self.queue.close(error):
-            exc = type(error)(f"tensor '{entry.request.name}': {error}")
-            exc.horolite_peer = getattr(error, "horolite_peer", None)
-            entry.handle._set_exception(exc)
-
     def _fail_pending(self, error: BaseException) -> None:
         self._fatal = self._fatal or error
         pending = self.queue.close(error)
