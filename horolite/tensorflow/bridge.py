@@ -21,7 +21,9 @@ host copy; host tensors in the same job still go through NumPy.
 
 Names: an explicit name is used as given in eager mode; in graphs it is made
 unique within the graph (`graph.unique_name`), and a missing name is derived
-from the input tensor's name there, so ranks that build the same graph agree.
+from the input tensor's name there, so ranks that build the same graph agree
+(a tf.cond branch or loop body is named after its place in the outer graph,
+never after TensorFlow's process-wide counter: see `_graph_scope`).
 In eager mode a missing name falls back to the runtime's per-kind counters
 (ranks must then call in the same order, as in Horovod).
 """
