@@ -23,6 +23,7 @@ from horolite.errors import (DuplicateNameError, HorovodInternalError, InvalidCo
 from horolite.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 from .compression import Compression
+from .legacy_slots import ForwardSlots
 from .functions import (allgather_object, broadcast_, broadcast_global_variables, broadcast_object,
                         broadcast_object_fn, broadcast_variables, variable_ref)
 from .sync_batch_norm import SyncBatchNormalization
@@ -180,7 +181,7 @@ def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_spar
 
 # ----------------------------------------------------- legacy optimizer ----
 
-class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
+class _DistributedOptimizer(ForwardSlots, tf.compat.v1.train.Optimizer):
     """Wraps a tf.compat.v1.train.Optimizer: compute_gradients reduces, apply_gradients applies."""
 
     def __init__(self, optimizer, name=None, use_locking=False, compression=Compression.none,
@@ -239,15 +240,6 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
                 return tf.constant(True)
 
         return tf.group(tf.cond(ready, apply, lambda: tf.constant(False)))
-
-    def get_slot(self, *args, **kwargs):
-        return self._optimizer.get_slot(*args, **kwargs)
-
-    def get_slot_names(self, *args, **kwargs):
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args, **kwargs):
-        return self._optimizer.variables(*args, **kwargs)
 
 
 def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: bool = False,

@@ -21,12 +21,15 @@ host copy; host tensors in the same job still go through NumPy.
 
 Names: an explicit name is used as given in eager mode; in graphs it is made
 unique within the graph (`graph.unique_name`), and a missing name is derived
-from the input tensor's name there, so ranks that build the same graph agree.
+from the input tensor's name there, so ranks that build the same graph agree
+(a tf.cond branch or loop body is named after its place in the outer graph,
+never after TensorFlow's process-wide counter: see `_graph_scope`).
 In eager mode a missing name falls back to the runtime's per-kind counters
 (ranks must then call in the same order, as in Horovod).
 """
 
 import itertools
+import re
 import threading
 from typing import Callable, List, Optional, Sequence
 
@@ -95,11 +98,38 @@ def _normalize(name: str) -> str:
 
 
 def graph_unique_name(base: str) -> str:
-    """A name unique in the current graph (deterministic given the same graph construction)."""
+    """A name unique in the current graph, the same on every rank that builds the same graph."""
     graph = tf.compat.v1.get_default_graph()
     name = graph.unique_name(base, mark_as_used=True)
-    outer = getattr(graph, "name", None) if hasattr(graph, "outer_graph") else None
-    return f"{outer}/{name}" if outer else name
+    scope = _graph_scope(graph)
+    return f"{scope}/{name}" if scope else name
+
+
+_UID_SUFFIX = re.compile(r"_\d+$")
+
+
+def _graph_scope(graph) -> str:
+    """A function graph's path of names, the same on every rank.
+
+    A tf.cond branch or tf.while_loop body is a graph named with TensorFlow's
+    process-wide op counter (`cond_true_1234`), which differs between ranks that
+    built different graphs before (one that traced an extra function, a test
+    that branched on the rank): a collective named after it would wait forever
+    for a name no other rank submits. So a graph nested in another is named by
+    its outer graph instead (its name without the counter, made unique there),
+    and the outermost function graph by its own name (the traced function's)."""
+    if not hasattr(graph, "outer_graph"):
+        return ""  # a TF1 graph
+    scope = getattr(graph, "_horolite_scope", None)
+    if scope is None:
+        outer = graph.outer_graph
+        if outer is not None and hasattr(outer, "outer_graph"):
+            local = outer.unique_name(_UID_SUFFIX.sub("", graph.name) or "graph", mark_as_used=True)
+            scope = f"{_graph_scope(outer)}/{local}"
+        else:
+            scope = graph.name
+        graph._horolite_scope = scope
+    return scope
 
 
 def _resolve_name(name: Optional[str], prefix: str, tensor) -> Optional[str]:

@@ -17,6 +17,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from .legacy_slots import ForwardSlots
 from .wrapper_algorithms import ElasticAverage, ModelAverage, SyncReplicas, _deps
 
 __all__ = ["ModelAverageOptimizer", "ElasticAverageOptimizer", "SyncReplicasOptimizer"]
@@ -136,7 +137,7 @@ def _keras_class(base: type) -> type:
 
 # ---------------------------------------------------------------- legacy ----
 
-class _LegacyWrapper(_CentersMixin, tf.compat.v1.train.Optimizer):
+class _LegacyWrapper(_CentersMixin, ForwardSlots, tf.compat.v1.train.Optimizer):
     """Wraps a tf.compat.v1.train.Optimizer; eager, tf.function and TF1 graphs."""
 
     def __init__(self, optimizer, algorithm, name: str, use_locking: bool = False):
@@ -173,12 +174,3 @@ class _LegacyWrapper(_CentersMixin, tf.compat.v1.train.Optimizer):
         if tf.executing_eagerly():
             return apply_op
         return tf.group(apply_op, *_deps(done))
-
-    def get_slot(self, *args, **kwargs):
-        return self._optimizer.get_slot(*args, **kwargs)
-
-    def get_slot_names(self, *args, **kwargs):
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args, **kwargs):
-        return self._optimizer.variables(*args, **kwargs)

@@ -257,16 +257,38 @@ def dense_model(keras):
     return model
 
 
-# A LossScaleOptimizer around a DistributedOptimizer can hang in fit() on 2 and more ranks
-# (seen at 2, 3 and 4): known, not yet understood; docs/migrating.md says to nest it the
-# other way.
-LOSS_SCALE_OUTSIDE_HANGS = pytest.mark.skipif(
-    N > 1, reason="LossScaleOptimizer(DistributedOptimizer(...)) can hang in fit() on 2+ ranks")
+def diverge_tf_op_counters():
+    """Make TensorFlow's process-wide op counter differ between ranks (rank r traces r extra
+    tf.cond functions), as any rank-dependent graph building earlier in a job does: control
+    flow graphs are named with that counter (`cond_true_1234`)."""
+    for _ in range(R + 1):
+        tf.function(lambda: tf.cond(tf.constant(True), lambda: 1.0, lambda: 2.0)).get_concrete_function()
+
+
+def run_guarded(fn, seconds=120):
+    """fn() in a thread; fails instead of hanging the job when the ranks disagree."""
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), "ranks submitted collectives that no other rank matched"
+    return result["out"]
+
+
+def test_collectives_in_control_flow_agree_when_ranks_built_different_graphs():
+    diverge_tf_op_counters()
+
+    @tf.function
+    def step(x):
+        y = tf.cond(tf.reduce_sum(x) > -1.0, lambda: hvd.allreduce(x, op=hvd.Sum), lambda: x)
+        return tf.while_loop(lambda i, z: i < 2, lambda i, z: (i + 1, hvd.allreduce(z, op=hvd.Sum)),
+                             (tf.constant(0), y))[1]
+    out = run_guarded(lambda: step(tf.constant(value(R))).numpy())
+    np.testing.assert_allclose(out, N * N * np.sum(everyone(), axis=0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("nesting", ["distributed_outside",
-                                     pytest.param("loss_scale_outside",
-                                                  marks=LOSS_SCALE_OUTSIDE_HANGS),
+                                     "loss_scale_outside",
                                      "jit_compile"])
 def test_keras_fit_loss_scale_and_xla_train_as_one_process(nesting):
     import horolite.tensorflow.keras as khvd
@@ -283,7 +305,8 @@ def test_keras_fit_loss_scale_and_xla_train_as_one_process(nesting):
     model.compile(optimizer=opt, loss="mse", jit_compile=nesting == "jit_compile")
     assert not model.jit_compile  # XLA cannot run the collectives: turned off, with a warning
     mine = slice(4 * R, 4 * R + 4)
-    model.fit(x[mine], y[mine], batch_size=4, epochs=3, shuffle=False, verbose=0)
+    diverge_tf_op_counters()
+    run_guarded(lambda: model.fit(x[mine], y[mine], batch_size=4, epochs=3, shuffle=False, verbose=0))
     ref = dense_model(keras)  # one process, the global batch
     ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
     ref.fit(x, y, batch_size=4 * N, epochs=3, shuffle=False, verbose=0)
@@ -291,7 +314,6 @@ def test_keras_fit_loss_scale_and_xla_train_as_one_process(nesting):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@LOSS_SCALE_OUTSIDE_HANGS
 def test_keras_loss_scale_outside_agrees_when_one_rank_overflows():
     # Rank 0's gradients overflow: every rank must skip the step together (and halve the
     # scale), instead of rank 0 skipping the inner optimizer's allreduce while others wait.
@@ -305,10 +327,61 @@ def test_keras_loss_scale_outside_agrees_when_one_rank_overflows():
     model.compile(optimizer=opt, loss="mse", jit_compile=False)
     before = [w.copy() for w in model.get_weights()]
     scale = float(opt.initial_scale)
-    model.fit(xs, y[mine], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    diverge_tf_op_counters()
+    run_guarded(lambda: model.fit(xs, y[mine], batch_size=4, epochs=1, shuffle=False, verbose=0))
     for got, want in zip(model.get_weights(), before):
         np.testing.assert_array_equal(got, want)
     assert float(opt.dynamic_scale.numpy()) == scale / 2
+
+
+@pytest.mark.parametrize("nesting", ["distributed_outside", "loss_scale_outside"])
+def test_keras_mixed_float16_dynamic_loss_scale_skips_the_same_steps_as_one_process(nesting):
+    # float16 forward passes, a dynamic loss scale that grows every 2 finite steps, and two
+    # global batches with a row of 1e30 (inf in float16) on one rank: every rank skips
+    # those steps and halves the scale, as one process on the whole batch does.
+    import horolite.tensorflow.keras as khvd
+    keras = tf.keras
+    steps, bad = 6, {1: 0, 4: N - 1}  # global batch -> the rank whose rows overflow
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(steps * 4 * N, 3)).astype(np.float32)
+    y = rng.normal(size=(steps * 4 * N, 2)).astype(np.float32)
+    for k, r in bad.items():
+        x[k * 4 * N + 4 * r + 1] = 1e30
+
+    def rows_of(r):
+        return np.concatenate([np.arange(k * 4 * N + 4 * r, k * 4 * N + 4 * r + 4) for k in range(steps)])
+
+    def loss_scaled(opt):
+        return keras.optimizers.LossScaleOptimizer(opt, initial_scale=256.0, dynamic_growth_steps=2)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        sgd = keras.optimizers.SGD(0.1)
+        if nesting == "distributed_outside":
+            opt = khvd.DistributedOptimizer(loss_scaled(sgd))
+        else:
+            opt = loss_scaled(khvd.DistributedOptimizer(sgd))
+        model = dense_model(keras)
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+        diverge_tf_op_counters()
+        mine = rows_of(R)
+        run_guarded(lambda: model.fit(x[mine], y[mine], batch_size=4, epochs=1, shuffle=False, verbose=0))
+        ref_opt = loss_scaled(keras.optimizers.SGD(0.1))
+        ref = dense_model(keras)  # one process, the global batch
+        ref.compile(optimizer=ref_opt, loss="mse", jit_compile=False)
+        ref.fit(x, y, batch_size=4 * N, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # scale 256: step 0 | skip 1 -> 128 | steps 2, 3 -> 256 | skip 4 -> 128 | step 5
+    assert float(opt.dynamic_scale.numpy()) == float(ref_opt.dynamic_scale.numpy()) == 128.0
+    assert int(opt.iterations.numpy()) == int(ref_opt.iterations.numpy())
+    everyone_weights = hvd.allgather_object([w for w in model.get_weights()])
+    for r, weights in enumerate(everyone_weights):
+        for got, want in zip(weights, model.get_weights()):
+            np.testing.assert_array_equal(got, want, err_msg=f"rank {r} differs from rank {R}")
+    for got, want in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
+    assert np.all(np.isfinite(model.get_weights()[0]))
 
 
 def test_keras_momentum_correction_scales_the_momentum_buffers():

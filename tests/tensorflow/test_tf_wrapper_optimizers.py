@@ -266,3 +266,18 @@ def test_easgd_default_moving_rate_and_centers_reachable():
     assert any(v is opt.center_variable(w) for v in opt.variables)  # saved with the optimizer
     with pytest.raises(ValueError, match="has no center variable"):
         opt.center_variable(tf.Variable(1.0))
+
+
+@pytest.mark.parametrize("wrapper", ["distributed", "model_average", "sync"])
+def test_legacy_wrappers_answer_for_the_wrapped_optimizers_slots(wrapper):
+    # The slots live in the wrapped tf.compat.v1 optimizer; the wrapper hands them out.
+    inner = tf.compat.v1.train.MomentumOptimizer(LR, momentum=0.9)
+    opt = {"distributed": lambda: hvd.DistributedOptimizer(inner),
+           "model_average": lambda: hvd.ModelAverageOptimizer(inner),
+           "sync": lambda: hvd.SyncReplicasOptimizer(inner)}[wrapper]()
+    w = tf.Variable(np.full(3, 1.0, np.float32))
+    opt.apply_gradients([(tf.fill([3], float(R + 1)), w)])
+    assert opt.get_slot_names() == inner.get_slot_names() == ["momentum"]
+    assert opt.get_slot(w, "momentum") is inner.get_slot(w, "momentum")
+    assert [v.ref() for v in opt.variables()] == [v.ref() for v in inner.variables()]
+    assert opt.get_slot(w, "momentum").numpy().sum() != 0
