@@ -66,3 +66,8 @@ def test_shared_memory(np_):
 @pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "mpi-ring")])
 def test_quorum(np_, variant):
     run_pytest_file(os.path.join(PARALLEL, "test_quorum.py"), np_, VARIANTS[variant])
+
+
+@pytest.mark.parametrize("np_", RANK_COUNTS)
+def test_ring_pieces(np_):
+    run_pytest_file(os.path.join(PARALLEL, "test_ring_pieces.py"), np_)

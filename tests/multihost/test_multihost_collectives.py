@@ -28,3 +28,12 @@ CASES = [("2x1", {}), ("2x2", {}), ("2x2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1
 def test_collectives_and_topology_across_hosts(bed, no_leftovers, layout, env):
     run_pytest_across(bed, LAYOUTS[layout], COLLECTIVES, pytest_args=[TOPOLOGY],
                       env=dict(env, HOROLITE_TEST_LAYOUT=LAYOUTS[layout]))
+
+
+RING_PIECES = os.path.join(ROOT, "tests", "parallel", "test_ring_pieces.py")
+
+
+@pytest.mark.parametrize("layout", ["2x2", "1-2-1"])
+def test_pipelined_ring_and_hierarchical_across_hosts(bed, no_leftovers, layout):
+    """The ring and (on 2x2) the hierarchical pipeline with tiny pieces and chunks."""
+    run_pytest_across(bed, LAYOUTS[layout], RING_PIECES)
