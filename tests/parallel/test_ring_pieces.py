@@ -85,3 +85,35 @@ def test_allgather_uneven(ring, lengths):
     ring.allgather(buf, bounds)
     assert np.array_equal(buf, np.concatenate(parts))
 
+
+@pytest.fixture(scope="module", params=[(24, 40, 1), (64, 1000, 2), (1 << 20, 4 << 20, 3)],
+                ids=str)
+def hierarchical(request):
+    """The pipelined hierarchical allreduce with tiny pieces and chunks (on one host, or one
+    rank per host, it does not apply: those tests skip)."""
+    from horolite.transport import hierarchical as hier_module
+    piece, chunk, in_flight = request.param
+    saved = (ring_module.PIECE_BYTES, hier_module.CHUNK_BYTES, hier_module.IN_FLIGHT)
+    ring_module.PIECE_BYTES, hier_module.CHUNK_BYTES, hier_module.IN_FLIGHT = piece, chunk, in_flight
+    comm = COMM.Dup()
+    hier, _ = hier_module.open_hierarchical(comm, Waiter(polite=True), True, False)
+    yield hier
+    if hier is not None:
+        hier.close()
+    comm.Free()
+    ring_module.PIECE_BYTES, hier_module.CHUNK_BYTES, hier_module.IN_FLIGHT = saved
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+@pytest.mark.parametrize("op", sorted(REFERENCE))
+@pytest.mark.parametrize("count", SIZES + [30011])
+def test_hierarchical_allreduce(hierarchical, count, dtype, op):
+    if hierarchical is None:
+        pytest.skip("the hierarchical path needs several hosts of several ranks each")
+    expect = REFERENCE[op](np.stack([inputs(count, dtype, q) for q in range(SIZE)]), axis=0)
+    buf = inputs(count, dtype, RANK)
+    hierarchical.allreduce(buf, op, 1.0)
+    assert np.array_equal(buf, expect.astype(dtype))
+    src, out = inputs(count, dtype, RANK), np.zeros(count, dtype=dtype)
+    hierarchical.allreduce_from(src, out, op, 0.5 if dtype == "float32" else 1.0)
+    assert np.array_equal(out, (expect * (0.5 if dtype == "float32" else 1)).astype(dtype))
