@@ -7,8 +7,9 @@ host's link at --rate with tc tbf, and launches itself on them with
 
 - 2 hosts x 1 rank: horolite.allreduce and MPI_Allreduce (mpi4py) on the same
   float32 buffer, in alternating blocks, medians of the slowest rank's time;
-- 2 hosts x 2 ranks: the same with HOROLITE_HIERARCHICAL_ALLREDUCE=1, plus
-  horolite's flat ring (the hierarchical path switched off between blocks).
+- 2 hosts x 2 ranks: the same with the hierarchical allreduce (the default there,
+  set explicitly), plus horolite's flat ring (the hierarchical path switched off
+  between blocks).
 
 It prints, per size, each time, the ratios, and the fraction of the link rate:
 the bytes that must cross each host's link (2(h-1)/h of the buffer for h hosts)

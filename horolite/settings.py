@@ -87,10 +87,11 @@ SETTINGS: Tuple[Setting, ...] = (
             yaml="params.fusion_threshold_mb"),
     Setting("CACHE_CAPACITY", int, 1024, "response-cache entries; `0` disables the cache",
             "cache_capacity", "--cache-capacity", yaml="params.cache_capacity"),
-    Setting("HIERARCHICAL_ALLREDUCE", bool, False,
-            "`1`: allreduce within each host, then across hosts (one part per local rank), then "
-            "within each host again, where several hosts hold equal blocks of several ranks "
-            "(see docs/multihost.md); off by default, as in Horovod",
+    Setting("HIERARCHICAL_ALLREDUCE", bool, True,
+            "allreduce within each host, then across hosts (one part per local rank), then "
+            "within each host again, pipelined in chunks: on by default where several hosts "
+            "hold equal blocks of several ranks (measured faster, see docs/multihost.md); `0` "
+            "forces the flat ring",
             "hierarchical_allreduce", "--hierarchical-allreduce", "--no-hierarchical-allreduce",
             yaml="params.hierarchical_allreduce"),
     Setting("HIERARCHICAL_ALLGATHER", bool, False,

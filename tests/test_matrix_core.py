@@ -116,3 +116,8 @@ def test_a_failure_outside_a_process_set_fails_its_pending_collectives(tmp_path)
     assert "tensor 'pending'" in seen and "rank 2" in seen and "bad batch" in seen, seen
     seen = (tmp_path / "rank.1").read_text()
     assert "tensor 'never'" in seen and "rank 2" in seen and "bad batch" in seen, seen
+
+
+@pytest.mark.parametrize("np_", RANK_COUNTS)
+def test_ring_pieces(np_):
+    run_pytest_file(os.path.join(PARALLEL, "test_ring_pieces.py"), np_)

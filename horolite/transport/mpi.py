@@ -60,6 +60,28 @@ class Waiter:
             return
         self._poll(lambda: MPI.Request.Testall(reqs), peer)
 
+    def wait_any(self, reqs: Sequence[MPI.Request], peer: int = -1) -> int:
+        """Wait until one of `reqs` (all active) completes; returns its index."""
+        if self.polite:
+            found = []
+
+            def test():
+                index, flag = MPI.Request.Testany(reqs)
+                if flag:
+                    found.append(index)
+                return flag
+            self._poll(test, peer)
+            return found[0]
+        channel = self.channel
+        if channel is None or channel.request is None or self.watch is None:
+            return MPI.Request.Waitany(reqs)
+        while True:
+            index = MPI.Request.Waitany(list(reqs) + [channel.request], channel.status)
+            if index < len(reqs):
+                return index
+            channel.completed()
+            self.watch(0.0, -1)  # raises: another rank's notice arrived
+
     def _block(self, reqs) -> None:
         channel = self.channel
         if channel is None or channel.request is None or self.watch is None:
@@ -109,11 +131,12 @@ class PointToPoint:
         self.left = (self.rank - 1) % self.size
         self._waiter = waiter
 
-    def isend(self, buf: np.ndarray, dest: int = -1) -> MPI.Request:
-        return self.comm.Isend(buf, self.right if dest < 0 else dest, _DATA_TAG)
+    def isend(self, buf: np.ndarray, dest: int = -1, tag: int = -1) -> MPI.Request:
+        return self.comm.Isend(buf, self.right if dest < 0 else dest, _DATA_TAG if tag < 0 else tag)
 
-    def irecv(self, buf: np.ndarray, source: int = -1) -> MPI.Request:
-        return self.comm.Irecv(buf, self.left if source < 0 else source, _DATA_TAG)
+    def irecv(self, buf: np.ndarray, source: int = -1, tag: int = -1) -> MPI.Request:
+        return self.comm.Irecv(buf, self.left if source < 0 else source,
+                               _DATA_TAG if tag < 0 else tag)
 
     def sendrecv(self, send: np.ndarray, recv: np.ndarray, dest: int = -1, source: int = -1) -> None:
         reqs = [self.irecv(recv, source), self.isend(send, dest)]

@@ -16,15 +16,24 @@ COLLECTIVES = os.path.join(ROOT, "tests", "parallel", "test_collectives.py")
 TOPOLOGY = os.path.join(ROOT, "tests", "multihost", "ranks", "topology.py")
 
 
-# 2x2 with the hierarchical path (transport/hierarchical.py) off (the default) and on.
-# Asked for where the layout does not allow it (1/2/1), the flat ring serves.
-CASES = [("2x1", {}), ("2x2", {}), ("2x2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
-                                            "HOROLITE_HIERARCHICAL_ALLGATHER": "1"}),
-         ("3x1", {}), ("1-2-1", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"})]
-
+# 2x2 with the hierarchical path (transport/hierarchical.py) on (the default), forced off, and
+# with the hierarchical allgather too. Where the layout does not allow it (1/2/1, default or
+# asked for), the flat ring serves.
+CASES = [("2x1", {}), ("2x2", {}), ("2x2", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "0"}),
+         ("2x2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROLITE_HIERARCHICAL_ALLGATHER": "1"}),
+         ("3x1", {}), ("1-2-1", {}), ("1-2-1", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"})]
 
 @pytest.mark.parametrize("layout, env", CASES, ids=lambda c: c if isinstance(c, str) else
                          ",".join(f"{k}={v}" for k, v in c.items()) or "auto")
 def test_collectives_and_topology_across_hosts(bed, no_leftovers, layout, env):
     run_pytest_across(bed, LAYOUTS[layout], COLLECTIVES, pytest_args=[TOPOLOGY],
                       env=dict(env, HOROLITE_TEST_LAYOUT=LAYOUTS[layout]))
+
+
+RING_PIECES = os.path.join(ROOT, "tests", "parallel", "test_ring_pieces.py")
+
+
+@pytest.mark.parametrize("layout", ["2x2", "1-2-1"])
+def test_pipelined_ring_and_hierarchical_across_hosts(bed, no_leftovers, layout):
+    """The ring and (on 2x2) the hierarchical pipeline with tiny pieces and chunks."""
+    run_pytest_across(bed, LAYOUTS[layout], RING_PIECES)

@@ -52,11 +52,12 @@ def test_choices():
         config.from_environ({"HOROLITE_LOG_LEVEL": "LOUD"})
 
 
-def test_hierarchical_settings_are_off_unless_asked_for():
-    assert config.from_environ({}).hierarchical_allreduce is False
-    c = config.from_environ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
-                             "HOROLITE_HIERARCHICAL_ALLGATHER": "0"})
+def test_hierarchical_allreduce_is_on_unless_switched_off_allgather_off_unless_asked():
+    c = config.from_environ({})
     assert c.hierarchical_allreduce is True and c.hierarchical_allgather is False
+    c = config.from_environ({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0",
+                             "HOROLITE_HIERARCHICAL_ALLGATHER": "1"})
+    assert c.hierarchical_allreduce is False and c.hierarchical_allgather is True
 
 
 def test_config_is_the_declaration():

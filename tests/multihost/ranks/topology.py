@@ -41,7 +41,8 @@ def test_hierarchical_path_where_the_layout_allows():
     allowed = len(hosts) > 1 and len(per_host) == 1 and per_host.pop() > 1
     from horolite.basics import runtime
     transport = runtime().transport
-    for kind in ("ALLREDUCE", "ALLGATHER"):
-        asked = env_value(f"HIERARCHICAL_{kind}") == "1"
+    # allreduce: on unless switched off; allgather: off unless asked for.
+    for kind, default in (("ALLREDUCE", "1"), ("ALLGATHER", "0")):
+        asked = (env_value(f"HIERARCHICAL_{kind}") or default) == "1"
         used = getattr(transport, f"hierarchical_{kind.lower()}") is not None
         assert used == (allowed and asked), kind
