@@ -14,31 +14,13 @@ import tensorflow as tf
 
 import horolite.tensorflow as hvd
 from horolite.tensorflow import native_ops
+from tf_modes import MODES, run, value
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-MODES = ["eager", "function", "graph"]
 # The native wait op is built wherever there is a C++ compiler (CI has one).
 NATIVE = native_ops.load() is not None
 GRAPH_MISMATCH_ERROR = tf.errors.FailedPreconditionError if NATIVE else tf.errors.InvalidArgumentError
-
-
-def value(r, shape=(2, 3), dtype=np.float32):
-    return (np.arange(int(np.prod(shape))).reshape(shape) + 10 * r).astype(dtype)
-
-
-def run(mode, fn, *inputs):
-    """Call fn on tensors made from the NumPy inputs in one of the three modes; NumPy results."""
-    if mode == "eager":
-        out = fn(*[tf.constant(a) for a in inputs])
-        return tf.nest.map_structure(lambda t: t.numpy(), out)
-    if mode == "function":
-        out = tf.function(fn)(*[tf.constant(a) for a in inputs])
-        return tf.nest.map_structure(lambda t: t.numpy(), out)
-    with tf.Graph().as_default():
-        outs = fn(*[tf.constant(a) for a in inputs])
-        with tf.compat.v1.Session() as sess:
-            return sess.run(outs)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -17,27 +17,11 @@ import tensorflow as tf
 
 import horolite.tensorflow as hvd
 from horolite.tensorflow import native_ops
+from tf_modes import MODES, run, value
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-MODES = ["eager", "function", "graph"]
 NATIVE = native_ops.load() is not None
-
-
-def value(r, shape=(2, 3), dtype=np.float32):
-    return (np.arange(int(np.prod(shape))).reshape(shape) + 10 * r).astype(dtype)
-
-
-def run(mode, fn, *inputs):
-    if mode == "eager":
-        return tf.nest.map_structure(lambda t: t.numpy(), fn(*[tf.constant(a) for a in inputs]))
-    if mode == "function":
-        out = tf.function(fn)(*[tf.constant(a) for a in inputs])
-        return tf.nest.map_structure(lambda t: t.numpy(), out)
-    with tf.Graph().as_default():
-        outs = fn(*[tf.constant(a) for a in inputs])
-        with tf.compat.v1.Session() as sess:
-            return sess.run(outs)
 
 
 def everyone(shape=(2, 3), dtype=np.float32):
