@@ -306,6 +306,7 @@ def alltoall(array, splits=None, name: Optional[str] = None, process_set=global_
 
 
 def reducescatter_async(array, op=Average, name: Optional[str] = None,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                         process_set=global_process_set) -> Handle:
     rt = runtime_for(process_set, "reducescatter")
     name = name or _auto_name("reducescatter", rt)
@@ -313,28 +314,37 @@ def reducescatter_async(array, op=Average, name: Optional[str] = None,
     arr = _as_array(array, name, Kind.REDUCESCATTER, rt)
     if arr.ndim == 0:
         raise InvalidCollectiveError(f"tensor '{name}': reducescatter needs at least one dimension, got a scalar")
-    return _submit(Kind.REDUCESCATTER, arr, name, rt=rt, op=int(op))
+    pre, post = float(prescale_factor), float(postscale_factor)
+    _check_scales(arr, name, pre, post)
+    return _submit(Kind.REDUCESCATTER, arr, name, rt=rt, op=int(op), prescale=pre, postscale=post)
 
 
 def reducescatter(array, op=Average, name: Optional[str] = None,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                   process_set=global_process_set) -> np.ndarray:
     """Reduce over ranks, then rank r (set rank r on a process set) keeps the r-th part
-    of the first dimension."""
-    return synchronize(reducescatter_async(array, op, name, process_set))
+    of the first dimension. The scale factors multiply the input and the reduced result,
+    as allreduce's."""
+    return synchronize(reducescatter_async(array, op, name, prescale_factor, postscale_factor,
+                                           process_set))
 
 
 def grouped_reducescatter_async(arrays: Sequence, op=Average, name: Optional[str] = None,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                                 process_set=global_process_set) -> Handle:
     """One handle for several reducescatters, submitted together; results as a list."""
     rt = runtime_for(process_set, "grouped_reducescatter")
     base = name or _auto_name("grouped_reducescatter", rt)
-    return one_handle(base, [reducescatter_async(a, op, f"{base}.{i}", process_set)
+    return one_handle(base, [reducescatter_async(a, op, f"{base}.{i}", prescale_factor,
+                                                 postscale_factor, process_set)
                               for i, a in enumerate(arrays)], rt)
 
 
 def grouped_reducescatter(arrays: Sequence, op=Average, name: Optional[str] = None,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           process_set=global_process_set) -> List[np.ndarray]:
-    return synchronize(grouped_reducescatter_async(arrays, op, name, process_set))
+    return synchronize(grouped_reducescatter_async(arrays, op, name, prescale_factor,
+                                                   postscale_factor, process_set))
 
 
 def barrier(process_set=global_process_set) -> None:

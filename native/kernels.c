@@ -156,6 +156,11 @@ HL_DEFINE_SCALE_INT(hl_scale_i64, int64_t, -9223372036854775808.0, 9223372036854
 #define HL_SCALED_I64(x) hl_scale_i64((x), sd)
 #define HL_SCALED_F16(x) hl_f32_to_f16((x) * sf)
 #define HL_SCALED_BF16(x) hl_f32_to_bf16((x) * sf)
+/* A reduced 16-bit value is rounded to its type before the postscale, which is
+ * then a second rounding: the sum a rank would hold, scaled as Horovod scales
+ * a buffer (in float32), so results match Horovod's bit for bit. */
+#define HL_RSCALED_F16(x) HL_SCALED_F16(hl_f16_to_f32(hl_f32_to_f16(x)))
+#define HL_RSCALED_BF16(x) HL_SCALED_BF16(hl_bf16_to_f32(hl_f32_to_bf16(x)))
 #define HL_SCALED_F32(x) ((x) * sf)
 #define HL_SCALED_F64(x) ((x) * sd)
 
@@ -193,11 +198,13 @@ static inline __m256 hl_max8(__m256 x, __m256 y)
 #define HL_LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define HL_STORE8(p, v) \
     _mm_storeu_si128((__m128i *)(p), _mm256_cvtps_ph((v), _MM_FROUND_TO_NEAREST_INT))
+/* v rounded to float16 and back (see HL_RSCALED_F16) */
+#define HL_ROUND8(v) _mm256_cvtph_ps(_mm256_cvtps_ph((v), _MM_FROUND_TO_NEAREST_INT))
 #define HL_F16C_LOOP2(COMB)                                                   \
     do {                                                                      \
         if (scaled)                                                           \
             for (i = 0; i < body; i += 8)                                     \
-                HL_STORE8(a + i, _mm256_mul_ps(COMB(HL_LOAD8(a + i), HL_LOAD8(b + i)), s)); \
+                HL_STORE8(a + i, _mm256_mul_ps(HL_ROUND8(COMB(HL_LOAD8(a + i), HL_LOAD8(b + i))), s)); \
         else                                                                  \
             for (i = 0; i < body; i += 8)                                     \
                 HL_STORE8(a + i, COMB(HL_LOAD8(a + i), HL_LOAD8(b + i)));     \
@@ -233,6 +240,7 @@ static int scale_f16_f16c(void *dst, const void *src, size_t count, double facto
 
 #undef HL_LOAD8
 #undef HL_STORE8
+#undef HL_ROUND8
 #undef HL_F16C_LOOP2
 #pragma GCC pop_options
 #endif

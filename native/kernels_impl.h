@@ -82,9 +82,9 @@ HL_DEFINE_REDUCE(reduce_i32, int32_t, int32_t, HL_ID, HL_ID, HL_SCALED_I32,
                  HL_ADD_I32, HL_MUL_I32, HL_MIN_ANY, HL_MAX_ANY)
 HL_DEFINE_REDUCE(reduce_i64, int64_t, int64_t, HL_ID, HL_ID, HL_SCALED_I64,
                  HL_ADD_I64, HL_MUL_I64, HL_MIN_ANY, HL_MAX_ANY)
-HL_DEFINE_REDUCE(reduce_f16, uint16_t, float, hl_f16_to_f32, hl_f32_to_f16, HL_SCALED_F16,
+HL_DEFINE_REDUCE(reduce_f16, uint16_t, float, hl_f16_to_f32, hl_f32_to_f16, HL_RSCALED_F16,
                  HL_ADD_F, HL_MUL_F, HL_MIN_F, HL_MAX_F)
-HL_DEFINE_REDUCE(reduce_bf16, uint16_t, float, hl_bf16_to_f32, hl_f32_to_bf16, HL_SCALED_BF16,
+HL_DEFINE_REDUCE(reduce_bf16, uint16_t, float, hl_bf16_to_f32, hl_f32_to_bf16, HL_RSCALED_BF16,
                  HL_ADD_F, HL_MUL_F, HL_MIN_F, HL_MAX_F)
 HL_DEFINE_REDUCE(reduce_f32, float, float, HL_ID, HL_ID, HL_SCALED_F32,
                  HL_ADD_F, HL_MUL_F, HL_MIN_F, HL_MAX_F)

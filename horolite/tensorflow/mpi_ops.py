@@ -266,18 +266,22 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, ignore_name_scope:
     return (out, received) if with_splits else out
 
 
-def _reducescatter_raw(x: tf.Tensor, op, name, process_set=global_process_set) -> tf.Tensor:
-    return _run(lambda a: _core.reducescatter_async(a, op, name, process_set), [x], [x.dtype],
-                [tf.TensorShape([None]).concatenate(x.shape[1:])])[0]
+def _reducescatter_raw(x: tf.Tensor, op, name, process_set=global_process_set,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+    return _run(lambda a: _core.reducescatter_async(a, op, name, prescale_factor,
+                                                    postscale_factor, process_set),
+                [x], [x.dtype], [tf.TensorShape([None]).concatenate(x.shape[1:])])[0]
 
 
 def _reducescatter(tensor, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                    postscale_factor: float = 1.0, process_set=global_process_set) -> tf.Tensor:
     """Reduce over ranks; rank r keeps the r-th part of the first dimension
     (the first rows % size ranks get one extra row). The scale factors multiply
-    the input and the result (integers: in double, truncated toward zero).
+    the input and the result in the runtime, as Horovod's: float16 in float32,
+    rounded once per multiply; integers in double, truncated toward zero.
 
-    Gradient (Horovod's): the allgather of the upstream gradient, times size for Sum.
+    Gradient (Horovod's): the allgather of the upstream gradient, times size for Sum
+    and times both scale factors.
     """
     op = _check_reducescatter_op(op)
     tensor = _as_tensor(tensor)
@@ -285,13 +289,15 @@ def _reducescatter(tensor, op=Average, name: Optional[str] = None, prescale_fact
 
     @tf.custom_gradient
     def fn(x):
-        return (_reducescatter_raw(x, op, name, process_set),
-                lambda dy: _reducescatter_grad(dy, op, name, process_set))
-    return scale(fn(scale(tensor, prescale_factor)), postscale_factor)
+        return (_reducescatter_raw(x, op, name, process_set, prescale_factor, postscale_factor),
+                lambda dy: _reducescatter_grad(dy, op, name, process_set,
+                                               (prescale_factor, postscale_factor)))
+    return fn(tensor)
 
 
 def scale(x: tf.Tensor, factor: float) -> tf.Tensor:
-    """x * factor; integers are scaled in double and truncated toward zero (as the runtime)."""
+    """x * factor in x's dtype (a gradient's scaling, as Horovod's `grad *= factor`);
+    integers are scaled in double and truncated toward zero."""
     factor = float(factor)
     if factor == 1.0:
         return x
@@ -308,11 +314,14 @@ def _check_reducescatter_op(op) -> ReduceOp:
 
 
 def _reducescatter_grad(dy, op: ReduceOp, name: Optional[str],
-                        process_set=global_process_set) -> tf.Tensor:
-    """Horovod's: the allgather of the upstream gradient, times size for Sum."""
+                        process_set=global_process_set, factors=()) -> tf.Tensor:
+    """Horovod's: the allgather of the upstream gradient, times size for Sum, times
+    the product of the scale factors."""
     dy = tf.convert_to_tensor(dy)
     if op == ReduceOp.SUM:
         dy = dy * tf.cast(set_size(process_set), dy.dtype)
+    for factor in factors:
+        dy = scale(dy, factor)
     return _allgather_raw(dy, _resolve_name(_grad_name(name), "HorovodReducescatterGrad", dy),
                           process_set)
 
@@ -322,11 +331,12 @@ def _grouped_reducescatter(tensors, op=Average, name: Optional[str] = None,
                            process_set=global_process_set) -> List[tf.Tensor]:
     """reducescatter of each tensor, submitted as one group (one enqueue op)."""
     op = _check_reducescatter_op(op)
-    out = _grouped_along_first_dim(
-        [scale(_as_tensor(t), prescale_factor) for t in tensors], name, "HorovodGroupedReducescatter",
-        lambda arrays, nm: _core.grouped_reducescatter_async(arrays, op, nm, process_set),
-        lambda x, dy, rows, nm: _reducescatter_grad(dy, op, nm, process_set))
-    return [scale(t, postscale_factor) for t in out]
+    return _grouped_along_first_dim(
+        tensors, name, "HorovodGroupedReducescatter",
+        lambda arrays, nm: _core.grouped_reducescatter_async(arrays, op, nm, prescale_factor,
+                                                             postscale_factor, process_set),
+        lambda x, dy, rows, nm: _reducescatter_grad(dy, op, nm, process_set,
+                                                    (prescale_factor, postscale_factor)))
 
 
 def join() -> tf.Tensor:

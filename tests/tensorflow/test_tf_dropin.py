@@ -87,6 +87,41 @@ def test_reducescatter_scale_factors(mode):
                                rtol=1e-6)
 
 
+def _rounding_sums(shape):
+    """float16 inputs whose sums over any proper subset of ranks are exact but whose
+    sum over all ranks (odd, 2049..2199) is not: it rounds once in any adding order."""
+    rng = np.random.RandomState(11)
+    total = (2049 + 2 * rng.randint(0, 76, size=shape)) * rng.choice([-1, 1], size=shape)
+    ranks = [np.fix(total / N) + np.sign(total) * (r < np.abs(total) % N) for r in range(N)]
+    return [v.astype(np.float16) for v in ranks], sum(ranks)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_reducescatter_scales_as_horovod(mode):
+    # Horovod's test_horovod_reducescatter_cpu_{pre,post}scale: the scaling is done in
+    # float32 on the float16 sum, and the gradient is scaled by both factors.
+    inputs, total = _rounding_sums((4 * N + 1, 3))
+    base, extra = divmod(4 * N + 1, N)
+    start, rows = R * base + min(R, extra), base + (R < extra)
+
+    def fn(t):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(t)
+            one = hvd.reducescatter(t, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.7391)
+            grouped = hvd.grouped_reducescatter([t], op=hvd.Average, prescale_factor=2.0,
+                                                postscale_factor=0.7391)
+        return one, grouped, tape.gradient(one, t), tape.gradient(grouped, t)
+    one, grouped, g_one, g_grouped = run(mode, fn, inputs[R])
+    doubled = (2 * total).astype(np.float16).astype(np.float32)
+    for got, factor in ((one, np.float32(0.7391)), (grouped[0], np.float32(0.7391 / N))):
+        want = (factor * doubled).astype(np.float16)[start:start + rows]
+        assert got.dtype == np.float16 and np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    # Horovod's gradient: allgather(dy * size (Sum) * prescale * postscale), in float16
+    f16 = np.float16
+    np.testing.assert_array_equal(g_one, np.full_like(inputs[R], f16(f16(f16(N) * f16(2.0)) * f16(0.7391))))
+    np.testing.assert_array_equal(g_grouped, np.full_like(inputs[R], f16(f16(2.0) * f16(0.7391))))
+
+
 # -------------------------------------------------------------- dtypes ----
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int16])
