@@ -27,11 +27,14 @@ def init(comm=None, process_sets=None) -> None:
 
     process_sets (Horovod's): a list of ProcessSet to register besides the global set, or
     "dynamic" to allow add_process_set()/remove_process_set() later (process_sets.py).
-    Calling it again while initialized does nothing.
+    Calling it again while initialized does nothing, but for process_sets: those must
+    already be registered (they get their ids), else a ValueError.
     """
     global _runtime, _atexit_registered
     with _lock:
         if _runtime is not None:
+            if process_sets is not None:
+                _process_sets.bind_again(process_sets)
             return
         cfg = config_mod.from_environ()
         _set_thread_level(cfg)

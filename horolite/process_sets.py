@@ -159,6 +159,27 @@ def setup(global_runtime, process_sets, dynamic: bool) -> None:
             ps.process_set_id = _create(global_runtime, ps.ranks)
 
 
+def bind_again(process_sets) -> None:
+    """init(process_sets=...) while initialized: each set must already be registered
+    (it then gets its id); a new set, or "dynamic" on a job started without it, is a
+    ValueError, never silently ignored. No communication: ranks may call this alone."""
+    with _lock:
+        if isinstance(process_sets, str):
+            if process_sets.lower() == "dynamic" and not _dynamic:
+                raise ValueError('init(process_sets="dynamic") on a runtime already initialized '
+                                 'without dynamic process sets: call shutdown() first')
+            return
+        for ps in process_sets:
+            found = _find(ps.ranks) if isinstance(ps, ProcessSet) and ps.ranks is not None else None
+            if found is None:
+                registered = {pid: e.ranks for pid, e in sorted(_table.items())}
+                raise ValueError(
+                    f"init(process_sets=...): horolite is already initialized and {ps} is not one "
+                    f"of its process sets {registered}; call shutdown() first, or add it with "
+                    f"add_process_set() (dynamic process sets)")
+            ps.process_set_id = found
+
+
 def _ranks_of_comm(global_runtime, comm) -> List[int]:
     """The job ranks of a communicator's members (every rank calls this, members or not)."""
     from mpi4py import MPI

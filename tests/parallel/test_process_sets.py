@@ -213,3 +213,23 @@ def test_add_needs_dynamic(monkeypatch):
         hvd.add_process_set([0])
     with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS=1"):
         hvd.remove_process_set(hvd.ProcessSet([0]))
+
+
+def test_init_again_binds_registered_sets_and_refuses_new_ones(monkeypatch):
+    # While initialized, init() starts nothing; its process_sets must be registered ones.
+    same = [hvd.ProcessSet(s.ranks) for s in SETS.values()]
+    hvd.init(process_sets=same)
+    assert [s.process_set_id for s in same] == [s.process_set_id for s in SETS.values()]
+    if same:
+        assert same[0].size() == len(same[0].ranks)
+    table = ps_mod.get_process_set_ids_and_ranks()
+    fresh = next((c for c in ([0, SIZE - 1], [SIZE - 1], [0]) if sorted(set(c)) not in table.values()),
+                 None)
+    if fresh is not None:
+        with pytest.raises(ValueError, match=r"already initialized .*call shutdown\(\) first"):
+            hvd.init(process_sets=[hvd.ProcessSet(fresh)])
+        assert ps_mod.get_process_set_ids_and_ranks() == table
+    monkeypatch.setattr(ps_mod, "_dynamic", False)
+    with pytest.raises(ValueError, match="without dynamic process sets"):
+        hvd.init(process_sets="dynamic")
+    np.testing.assert_allclose(hvd.allreduce(np.ones(1), op=hvd.Sum, name="after.reinit"), [SIZE])
