@@ -222,7 +222,8 @@ def _create(global_runtime, ranks: List[int]) -> int:
     if comm != MPI.COMM_NULL:
         from .runtime import Runtime
         runtime = Runtime(comm, global_runtime.config, set_label=label(pid, ranks),
-                          job_ranks=ranks, leader=global_runtime)
+                          job_ranks=ranks, leader=global_runtime,
+                          timeline_prefix=f"process set {pid}/")
     _table[pid] = _Entry(list(ranks), runtime)
     if runtime is not None:  # its shared-memory window is a new /dev/shm file
         from .shm_files import report_to_launcher

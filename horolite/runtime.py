@@ -32,7 +32,7 @@ from .negotiation import Coordinator
 from .response_cache import HIT, INVALID, MISS, ResponseCache
 from .stall import StallInspector
 from .tensor_queue import Entry, TensorQueue
-from .timeline import open_timeline
+from .timeline import SetTimeline, open_timeline
 from .transport.mpi import MPITransport, oversubscribed
 from .transport.shared_memory import open_shared_memory
 from .shm_files import report_to_launcher as report_shm_files
@@ -78,11 +78,13 @@ class Runtime(JobEnd):
     global runtime (process_sets.py)."""
 
     def __init__(self, comm: MPI.Comm, cfg: config_mod.Config, set_label: Optional[str] = None,
-                 job_ranks: Optional[List[int]] = None, leader: Optional["Runtime"] = None):
+                 job_ranks: Optional[List[int]] = None, leader: Optional["Runtime"] = None,
+                 timeline_prefix: str = ""):
         self.set_label = set_label
         self.leader = leader
         if leader is not None:
-            # One timeline and one autotuner per process: the global set's.
+            # One timeline and one autotuner per process, the global set's: a set writes
+            # to that timeline (SetTimeline) and runs with its tuned setting (_set_setting).
             cfg = dataclasses.replace(cfg, timeline="", autotune=False)
         self.config = cfg
         self.comm = comm
@@ -118,7 +120,8 @@ class Runtime(JobEnd):
             comm, self.transport.waiter, cfg.hierarchical_allreduce, cfg.hierarchical_allgather)
         self.queue = TensorQueue()
         self.cache = ResponseCache(cfg.cache_capacity)
-        self.timeline = open_timeline(cfg.timeline, self.rank)
+        self.timeline = (open_timeline(cfg.timeline, self.rank) if leader is None else
+                         SetTimeline(leader, timeline_prefix))
         self._mark_cycles = cfg.timeline_mark_cycles
         self.executor = Executor(self.transport, self.queue, cfg.fusion_threshold, self.timeline)
         # GPU path (device.py, transport/nccl.py): collective over comm; NCCL only when every
@@ -193,6 +196,12 @@ class Runtime(JobEnd):
         if self.nccl is not None and not self._thread.is_alive():
             self.nccl.close()  # GPU path: free the communicator so a later init() makes a new one
         self.timeline.close()
+
+    def _set_setting(self):
+        """A process set runs with the global set's current (fusion threshold, cycle
+        time in ms): as in Horovod, the tuned parameters are the process's, not a set's."""
+        leader = self.leader
+        return leader.executor.fusion_threshold, leader._cycle_seconds * 1000.0
 
     def set_timeline(self, timeline, mark_cycles: bool) -> None:
         """Swap the timeline (start_timeline/stop_timeline). The background thread may
@@ -306,6 +315,8 @@ class Runtime(JobEnd):
                 flags |= COORDINATOR
 
         control = self._control
+        if self.leader is not None and self.rank == 0:
+            self._setting = self._set_setting()
         vec = control.encode(flags, self._setting if self.rank == 0 else None,
                              self._waiting, self._invalid)
         self._invalid.clear()

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
-__all__ = ["Timeline", "NullTimeline", "open_timeline", "read_events"]
+__all__ = ["Timeline", "NullTimeline", "SetTimeline", "open_timeline", "read_events"]
 
 
 class NullTimeline:
@@ -107,6 +107,31 @@ class Timeline(NullTimeline):
                 self._file.close()
                 self._file = None
             self._pending.clear()
+
+
+class SetTimeline(NullTimeline):
+    """A process set's view of its process's one timeline, the global set's (which
+    start_timeline/stop_timeline may swap at any time): rows named `<prefix><tensor>`."""
+
+    def __init__(self, owner, prefix: str):
+        self._owner = owner  # the global set's Runtime: its `timeline` is read at each event
+        self._prefix = prefix
+
+    @property
+    def enabled(self) -> bool:
+        return self._owner.timeline.enabled
+
+    def span(self, name: str, phase: str, start: float, end: float, args=None) -> None:
+        self._owner.timeline.span(self._prefix + name, phase, start, end, args)
+
+    def instant(self, label: str) -> None:
+        self._owner.timeline.instant(self._prefix + label)
+
+    def flush(self) -> None:
+        self._owner.timeline.flush()
+
+    def close(self) -> None:
+        pass  # the owner's to close
 
 
 def open_timeline(path: Optional[str], rank: int) -> NullTimeline:

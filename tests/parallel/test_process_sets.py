@@ -233,3 +233,33 @@ def test_init_again_binds_registered_sets_and_refuses_new_ones(monkeypatch):
     with pytest.raises(ValueError, match="without dynamic process sets"):
         hvd.init(process_sets="dynamic")
     np.testing.assert_allclose(hvd.allreduce(np.ones(1), op=hvd.Sum, name="after.reinit"), [SIZE])
+
+
+def test_set_collectives_reach_the_timeline_and_follow_the_global_setting(tmp_path_factory):
+    # One timeline per process (the global set's), rows of a set named "process set N/...";
+    # a set runs with the global set's current fusion threshold and cycle time, as the
+    # autotuner would set them.
+    from horolite import basics
+    from horolite.timeline import read_events
+    leader = basics.runtime()
+    path = os.path.join(str(tmp_path_factory.getbasetemp()), "sets_timeline.json")
+    from mpi4py import MPI
+    path = MPI.COMM_WORLD.bcast(path, 0)
+    hvd.start_timeline(path, mark_cycles=False)
+    saved = leader._setting
+    leader._setting = (1 << 20, 2.0)  # what rank 0's autotuner would publish
+    hvd.allreduce(np.ones(2), name="tl.global")
+    for name, s in MINE:
+        for i in range(2):
+            hvd.allreduce(np.ones(3), name=f"tl.{name}.{i}", process_set=s)
+        rt = ps_mod.runtime_for(s, "test")
+        assert (rt.executor.fusion_threshold, round(rt._cycle_seconds * 1000, 6)) == (1 << 20, 2.0)
+    leader._setting = saved
+    hvd.barrier()
+    hvd.stop_timeline()
+    events = read_events(path if RANK == 0 else path.replace(".json", f".rank{RANK}.json"))
+    rows = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert "tl.global" in rows
+    for name, s in MINE:
+        assert f"process set {s.process_set_id}/tl.{name}.0" in rows
+    hvd.allreduce(np.ones(2), name="tl.after")  # the setting goes back on the next cycle
