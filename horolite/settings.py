@@ -112,7 +112,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "stall_shutdown_time_seconds", "--stall-check-shutdown-time-seconds",
             yaml="stall_check.shutdown_time_seconds"),
     Setting("TIMELINE", str, "",
-            "path of a Chrome-trace JSON timeline (rank r > 0 writes `name.rank<r>.json`); "
+            "path of a Chrome-trace JSON timeline (rank r > 0 writes `name.rank<r>.json`; a "
+            "process set's tensors are rows `process set <id>/<name>`); "
             "`hvd.start_timeline(path)`/`hvd.stop_timeline()` record part of a run instead",
             "timeline", "--timeline-filename", flag_unit="path", yaml="timeline.filename"),
     Setting("TIMELINE_MARK_CYCLES", bool, False, "`1` marks each background cycle in the timeline",
