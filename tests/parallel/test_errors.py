@@ -123,6 +123,18 @@ def test_integer_tensor_with_a_non_finite_scale_factor():
     still_works("scale-nonfinite")
 
 
+def test_integer_reducescatter_with_a_non_finite_scale_factor():
+    with pytest.raises(hvd.InvalidCollectiveError,
+                       match=r"tensor 'bad.rs.scale': an integer tensor \(int64\) needs finite scale "
+                             r"factors, got prescale_factor=1.0, postscale_factor=nan"):
+        hvd.reducescatter(np.ones((SIZE, 2), np.int64), postscale_factor=float("nan"),
+                          name="bad.rs.scale")
+    with pytest.raises(hvd.InvalidCollectiveError, match=r"'bad.grs.0': an integer tensor"):
+        hvd.grouped_reducescatter([np.ones((SIZE, 2), np.uint8)], prescale_factor=float("inf"),
+                                  name="bad.grs")
+    still_works("rs-scale-nonfinite")
+
+
 def test_duplicate_name_in_flight():
     first = hvd.allreduce_async(np.ones(2), name="dup")
     with pytest.raises(hvd.DuplicateNameError, match="tensor 'dup': a collective with this name is already in flight"):
