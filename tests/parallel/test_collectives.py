@@ -13,6 +13,8 @@ import pytest
 
 import horolite as hvd
 
+from float16_sums import rounding_sums
+
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 
@@ -198,23 +200,12 @@ def test_reducescatter(dtype, op, rows):
     assert_close(got, full[start:start + mine], dtype)
 
 
-def _rounding_sums(shape):
-    """float16 inputs, one per rank, whose sums over any proper subset of ranks are
-    exact in float16 but whose sum over all ranks (2049..2199, odd) is not: so the
-    reduced value rounds once whatever order the transport adds in."""
-    rng = np.random.RandomState(7)
-    total = (2049 + 2 * rng.randint(0, 76, size=shape)) * rng.choice([-1, 1], size=shape)
-    ranks = [np.fix(total / SIZE) + np.sign(total) * (r < np.abs(total) % SIZE)
-             for r in range(SIZE)]
-    return [v.astype(np.float16) for v in ranks], sum(ranks)
-
-
 @pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
 def test_float16_scale_factors_round_as_horovod(op):
     # Horovod scales a float16 buffer in float32 after the reduced sum is rounded to
     # float16: fp16(f32(postscale) * f32(fp16(sum))), bit for bit.
     rows = 4 * SIZE + 1
-    inputs, total = _rounding_sums((rows, 3))
+    inputs, total = rounding_sums((rows, 3), SIZE, 7)
     post = 0.7391
     factor = np.float32(post / SIZE if op == hvd.Average else post)
     want = (factor * (2 * total).astype(np.float16).astype(np.float32)).astype(np.float16)

@@ -18,6 +18,7 @@ import tensorflow as tf
 import horolite.tensorflow as hvd
 from horolite.tensorflow import native_ops
 from tf_modes import MODES, run, value
+from float16_sums import rounding_sums
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
@@ -87,20 +88,11 @@ def test_reducescatter_scale_factors(mode):
                                rtol=1e-6)
 
 
-def _rounding_sums(shape):
-    """float16 inputs whose sums over any proper subset of ranks are exact but whose
-    sum over all ranks (odd, 2049..2199) is not: it rounds once in any adding order."""
-    rng = np.random.RandomState(11)
-    total = (2049 + 2 * rng.randint(0, 76, size=shape)) * rng.choice([-1, 1], size=shape)
-    ranks = [np.fix(total / N) + np.sign(total) * (r < np.abs(total) % N) for r in range(N)]
-    return [v.astype(np.float16) for v in ranks], sum(ranks)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_float16_reducescatter_scales_as_horovod(mode):
     # Horovod's test_horovod_reducescatter_cpu_{pre,post}scale: the scaling is done in
     # float32 on the float16 sum, and the gradient is scaled by both factors.
-    inputs, total = _rounding_sums((4 * N + 1, 3))
+    inputs, total = rounding_sums((4 * N + 1, 3), N, 11)
     base, extra = divmod(4 * N + 1, N)
     start, rows = R * base + min(R, extra), base + (R < extra)
 
