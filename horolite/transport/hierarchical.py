@@ -180,8 +180,9 @@ def open_hierarchical(comm: MPI.Comm, waiter, allreduce: bool, allgather: bool):
                     (("HIERARCHICAL_ALLREDUCE", allreduce), ("HIERARCHICAL_ALLGATHER", allgather))
                     if on)
         if comm.Get_rank() == 0:
-            (_log.warning if asked else _log.debug)("rank %d: hierarchical collectives asked for but not used: %s",
-                         comm.Get_rank(), why)
+            (_log.warning if asked else _log.debug)(
+                "rank %d: hierarchical collectives %snot used: %s", comm.Get_rank(),
+                "asked for but " if asked else "", why)
         local.Free()
         return None, None
     cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
