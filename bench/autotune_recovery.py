@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 import horolite as hvd  # noqa: E402
-from horolite import basics  # noqa: E402
+from horolite.api import basics  # noqa: E402
 
 
 def run_steps(tensors, seconds: float, comm) -> float:

@@ -1,6 +1,6 @@
 """Heartbeat cost: the small-tensor steps with the heartbeat on and off, in one job.
 
-The heartbeat (horolite/heartbeat.py) is ticked every background cycle and every
+The heartbeat (horolite/failure/heartbeat.py) is ticked every background cycle and every
 wait; it is switched off and on between interleaved blocks of the same job, so the
 two are measured within a fraction of a second of each other. Also times tick()
 itself: the usual call (no look due) and a call that looks at the posted receives.
@@ -30,9 +30,9 @@ def main(argv=None) -> None:
     common.wait_until_quiet(comm, args.quiet_below, args.quiet_timeout)
 
     import horolite as hvd
-    from horolite import basics
+    from horolite.api import basics
     hvd.init()
-    rt = basics._runtime
+    rt = basics.runtime()
     beat = rt.heartbeat
     tensors = [np.full(KiB, float(i), dtype=np.float32) for i in range(200)]
     names = [f"small.{i}" for i in range(200)]

@@ -3,7 +3,7 @@
     python bench/kernels_bandwidth.py [--mib 64] [--repeat 10]
 
 For float32, float16 and bfloat16 arrays of --mib MiB each, times
-`hl_reduce(a, b, SUM)` (through horolite.kernels.reduce_into, on every
+`hl_reduce(a, b, SUM)` (through horolite.core.kernels.reduce_into, on every
 instruction-set level this CPU runs) and `numpy.add(a, b, out=a)`, and prints
 GB/s counting the bytes moved (read a, read b, write a = 3x the array size),
 best of --repeat runs. The float16/bfloat16 NumPy numbers are NumPy's own
@@ -21,9 +21,9 @@ try:
     import horolite  # noqa: F401  (installed)
 except ImportError:  # a source checkout built with `python native/build_native.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from horolite import kernels
+from horolite.core import kernels
 from horolite._native import ffi, lib
-from horolite.ops import ReduceOp
+from horolite.core.ops import ReduceOp
 
 
 def best_seconds(fn, repeat):

@@ -50,7 +50,7 @@ def worker(args) -> None:
     sys.path.insert(0, HERE)
     import horolite as hvd
     from common import interleaved_median_times
-    from horolite.basics import runtime
+    from horolite.api.basics import runtime
 
     hvd.init()
     comm = MPI.COMM_WORLD

@@ -24,7 +24,7 @@ try:
     import horolite  # noqa: F401  (installed)
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from horolite.timeline import Timeline, read_events
+from horolite.core.timeline import Timeline, read_events
 
 
 class RewriteEachEvent:

@@ -6,23 +6,23 @@
 
 Importing horolite does not import TensorFlow, CuPy or even MPI: MPI starts at init().
 """
-from .basics import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
-                     local_size, mpi_threads_supported, rank, shutdown, size, start_timeline,
-                     stop_timeline)
-from .capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,
-                           mpi_enabled, nccl_built, rocm_built)
-from .collectives import (allgather, allgather_async, allreduce, allreduce_async, alltoall,
-                          alltoall_async, barrier, broadcast, broadcast_async, grouped_allgather,
-                          grouped_allgather_async, grouped_allreduce, grouped_allreduce_async,
-                          grouped_reducescatter, grouped_reducescatter_async, join, join_async, poll, reducescatter, reducescatter_async,
-                          synchronize)
+from .api.basics import (cross_rank, cross_size, init, is_homogeneous, is_initialized, local_rank,
+                         local_size, mpi_threads_supported, rank, shutdown, size, start_timeline,
+                         stop_timeline)
+from .api.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled, mpi_built,
+                               mpi_enabled, nccl_built, rocm_built)
+from .api.collectives import (allgather, allgather_async, allreduce, allreduce_async, alltoall,
+                              alltoall_async, barrier, broadcast, broadcast_async, grouped_allgather,
+                              grouped_allgather_async, grouped_allreduce, grouped_allreduce_async,
+                              grouped_reducescatter, grouped_reducescatter_async, join, join_async, poll, reducescatter, reducescatter_async,
+                              synchronize)
 from .errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
                      NotInitializedError, ShutdownError, StallError, TensorMismatchError)
-from .handle import Handle
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .core.handle import Handle
+from .api.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
-from .mpi_library import MPILibraryNotFound
+from .core.mpi_library import MPILibraryNotFound
 from .version import __version__
 
 __all__ = [

@@ -47,7 +47,7 @@ else:
 # One definition of "NCCL is usable": the runtime's own (CuPy imports, a GPU, NCCL loads).
 _NCCL = """
 import json
-from horolite.device import nccl_status
+from horolite.core.device import nccl_status
 ok, text = nccl_status()
 print(json.dumps({"ok": ok, "detail": text} if ok else {"ok": False, "reason": text}))
 """

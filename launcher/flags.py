@@ -1,6 +1,6 @@
 """horovodrun's flags on horolite-run, made from the settings declaration.
 
-Every tunable flag comes from ``horolite.settings``: a flag sets its
+Every tunable flag comes from ``horolite.core.settings``: a flag sets its
 ``HOROLITE_*`` variable on every rank, a ``--config-file`` (horovodrun's YAML
 keys) fills what the command line left unset. horovodrun flags that cannot
 mean anything over one ``mpirun`` (Gloo, jsrun, elastic training) stop the
@@ -12,7 +12,7 @@ import argparse
 import os
 from typing import Dict, Mapping, Optional, Tuple
 
-from horolite import settings
+from horolite.core import settings
 
 __all__ = ["add_setting_flags", "add_refused_flags", "setting_env", "apply_config_file",
            "REFUSED"]
@@ -181,7 +181,7 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser)
                              "supported: horolite has no Gloo controller")
             if (section, key) not in keys:
                 parser.error(f"--config-file {path}: unknown key {section}.{key} "
-                             "(horovodrun's keys are listed in the README)")
+                             "(horovodrun's keys are listed in docs/launcher.md)")
             name, inverted = keys[(section, key)]
             if getattr(args, _dest(name), None) is not None:
                 continue  # the command line wins

@@ -14,7 +14,7 @@ import shutil
 import sys
 from typing import Mapping, Optional, Sequence, Tuple
 
-from horolite import settings
+from horolite.core import settings
 
 from . import flags
 from . import hosts as hostlib
@@ -70,7 +70,7 @@ def _positive_int(text):
 
 
 def get_args_parser(environ: Optional[Mapping[str, str]] = None) -> argparse.ArgumentParser:
-    """horovodrun's flags (tunables from horolite.settings) and horolite-run's own.
+    """horovodrun's flags (tunables from horolite.core.settings) and horolite-run's own.
 
     `environ` is not read here (defaults from the environment apply in config_from_args)."""
     p = argparse.ArgumentParser(

@@ -7,7 +7,7 @@ the job's own processes had mapped are ever removed: the supervisor reads
 ``/proc/<pid>/maps`` of every process below its mpirun while the job runs, and
 removes those created after the job started, so another job's segments on the same
 host are never touched. Ranks also report their files themselves right after ``init()``
-(horolite/shm_files.py), so a job that fails between two samples loses nothing.
+(horolite/failure/shm_files.py), so a job that fails between two samples loses nothing.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import os
 import time
 from typing import Iterable, List, Set
 
-from horolite.shm_files import SHM_DIR, mapped_shm_files
+from horolite.failure.shm_files import SHM_DIR, mapped_shm_files
 
 __all__ = ["ShmLeftovers"]
 
@@ -32,7 +32,7 @@ class ShmLeftovers:
             self.seen |= mapped_shm_files(pid)
 
     def reported(self, paths: Iterable[str]) -> None:
-        """Files a rank on this host said it maps (its ``shm`` marker, horolite/shm_files.py)."""
+        """Files a rank on this host said it maps (its ``shm`` marker, horolite/failure/shm_files.py)."""
         self.seen |= {p for p in paths if p.startswith(SHM_DIR)}
 
     def remove_leftovers(self) -> List[str]:

@@ -62,7 +62,7 @@ class JobResult:
 def parse_marker(line: str) -> Optional[tuple]:
     """``##horolite-run## exit rank=1 code=3`` -> ("exit", {"rank": "1", "code": "3"}).
     A ``text=`` field comes last and takes the rest of the line (the runtime's markers:
-    ``cause``, ``stopped``, ``stall``; see horolite/failure.py)."""
+    ``cause``, ``stopped``, ``stall``; see horolite/failure/channel.py)."""
     if not line.startswith(MARKER):
         return None
     line, _, text = line.rstrip("\n").partition(" text=")
@@ -314,7 +314,7 @@ class Supervisor:
             self.shm.reported(fields.get("text", "").split())
 
     def _runtime_report(self, kind, fields) -> bool:
-        """A rank's own account (horolite/failure.py): True when it ends the job."""
+        """A rank's own account (horolite/failure/channel.py): True when it ends the job."""
         try:
             rank = int(fields.get("rank", -1))
         except ValueError:

@@ -14,7 +14,7 @@ from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
                       gloo_enabled, is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                       mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
                       start_timeline, stop_timeline)
-from horolite.ops import Adasum, Average, Sum
+from horolite.core.ops import Adasum, Average, Sum
 from horolite.tensorflow import Compression, elastic, global_process_set, init
 from horolite.tensorflow import keras as _tf_keras
 from horolite.tensorflow.keras import (allgather, broadcast, broadcast_global_variables,

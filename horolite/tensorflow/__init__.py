@@ -20,7 +20,7 @@ from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
                       shutdown, size, start_timeline, stop_timeline)
 from horolite.errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
                              ShutdownError, StallError, TensorMismatchError)
-from horolite.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from horolite.core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 from .compression import Compression
 from .legacy_slots import ForwardSlots
@@ -61,7 +61,7 @@ __all__ = [
 def init(comm=None, process_sets=None):
     """Start horolite (Horovod's `init(comm=None, process_sets=None)`): `comm` is an mpi4py
     communicator or a list of world ranks; `process_sets` a list of ProcessSet, or
-    "dynamic" (see horolite/process_sets.py)."""
+    "dynamic" (see horolite/api/process_sets.py)."""
     _core.init(comm, process_sets)
 
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from horolite.ops import Average, ReduceOp, Sum
+from horolite.core.ops import Average, ReduceOp, Sum
 
 from .compression import Compression
 from .mpi_ops import (_allreduce, _grouped_allreduce, _grouped_reducescatter, _reducescatter,

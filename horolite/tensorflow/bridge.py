@@ -37,9 +37,9 @@ import numpy as np
 import tensorflow as tf
 
 import horolite as _core
-from horolite.collectives import _grouped_allreduce_async
+from horolite.api.collectives import _grouped_allreduce_async
 from horolite.errors import HorovodInternalError, NotInitializedError
-from horolite.ops import Average, ReduceOp
+from horolite.core.ops import Average, ReduceOp
 
 from . import native_ops
 
@@ -205,7 +205,7 @@ def _submit_native(native, submit: Callable, arrays) -> np.int64:
 def _nccl_active() -> bool:
     """True when the runtime moves device arrays over NCCL (every rank has a GPU)."""
     try:
-        return _core.basics.runtime().nccl is not None
+        return _core.api.basics.runtime().nccl is not None
     except NotInitializedError:
         return False
 
@@ -215,14 +215,14 @@ def _to_runtime(t: tf.Tensor):
     TensorFlow may reuse the tensor's memory once the op returns); a host tensor as a
     NumPy copy."""
     if "GPU" in (t.device or ""):
-        from horolite.device import tf_to_cupy
+        from horolite.core.device import tf_to_cupy
         return tf_to_cupy(t).copy()
     return np.array(t.numpy(), copy=True)
 
 
 def _from_runtime(result, dtype: tf.DType) -> tf.Tensor:
     if hasattr(result, "__cuda_array_interface__"):
-        from horolite.device import cupy_to_tf
+        from horolite.core.device import cupy_to_tf
         return tf.cast(cupy_to_tf(result), dtype)
     return tf.convert_to_tensor(np.asarray(result).astype(dtype.as_numpy_dtype, copy=False))
 

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 import tensorflow as tf
 
 import horolite as _core
-from horolite.ops import ReduceOp
+from horolite.core.ops import ReduceOp
 
 from .compression import Compression
 from .functions import variable_name, variable_ref

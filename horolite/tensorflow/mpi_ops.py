@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import horolite as _core
 from horolite.errors import HorovodInternalError
-from horolite.ops import Average, ReduceOp
+from horolite.core.ops import Average, ReduceOp
 
 from .process_sets import check_process_set, global_process_set, set_rank, set_size
 from .bridge import (_enqueue, _guarded, _resolve_name, _run, enqueue_grouped_allreduce,
@@ -364,7 +364,7 @@ def barrier(process_set=global_process_set):
 
 
 def _set_ranks(process_set_id: int) -> list:
-    from horolite.process_sets import get_process_set_ids_and_ranks
+    from horolite.api.process_sets import get_process_set_ids_and_ranks
     ranks = get_process_set_ids_and_ranks().get(int(process_set_id))
     if ranks is None:
         raise ValueError("Process set does not exist or has not been registered.")

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from horolite.config import env_value
+from horolite.core.config import env_value
 from horolite.errors import (DuplicateNameError, InvalidCollectiveError, NotInitializedError,
                              ShutdownError, TensorMismatchError)
 

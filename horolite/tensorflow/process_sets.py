@@ -1,12 +1,12 @@
 """Horovod's process-set names for the TensorFlow API (the sets themselves are the
-core's: horolite/process_sets.py), and the few questions the adapters ask of a set."""
+core's: horolite/api/process_sets.py), and the few questions the adapters ask of a set."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import horolite as _core
-from horolite.process_sets import (ProcessSet, add_process_set, global_process_set,
-                                   remove_process_set, runtime_for)
+from horolite.api.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                       remove_process_set, runtime_for)
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "check_process_set", "check_init_process_sets", "set_size", "set_rank",

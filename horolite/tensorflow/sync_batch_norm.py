@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import horolite as _core
 
-from horolite.ops import ReduceOp
+from horolite.core.ops import ReduceOp
 
 from .mpi_ops import allgather_with_gradient
 

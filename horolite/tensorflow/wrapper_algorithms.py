@@ -19,7 +19,7 @@ from typing import Callable, List, Optional, Sequence
 import tensorflow as tf
 
 import horolite as _core
-from horolite.ops import ReduceOp
+from horolite.core.ops import ReduceOp
 
 from .functions import variable_ref
 from .api import grouped_allreduce

@@ -1,1 +1,2 @@
-"""Transports move tensor bytes between ranks: MPI for host memory, NCCL for GPU memory."""
+"""Transports move tensor bytes between ranks: the ring over MPI point-to-point, shared memory
+between ranks of one host, the hierarchical allreduce across hosts, NCCL for GPU memory."""

@@ -30,9 +30,9 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .. import kernels
-from ..ring import Ring, even_bounds
-from ..settings import env_value
+from ..core import kernels
+from .ring import Ring, even_bounds
+from ..core.settings import env_value
 from .mpi import PointToPoint
 
 __all__ = ["Hierarchical", "open_hierarchical"]

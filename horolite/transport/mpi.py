@@ -13,7 +13,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..ring import Ring
+from .ring import Ring
 
 __all__ = ["PointToPoint", "MPITransport", "oversubscribed"]
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .. import device as device_mod
-from ..ops import ReduceOp
+from ..core import device as device_mod
+from ..core.ops import ReduceOp
 
 if TYPE_CHECKING:  # annotations only: importing mpi4py.MPI would start MPI
     from mpi4py import MPI

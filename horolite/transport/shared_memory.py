@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
-from .. import kernels
+from ..core import kernels
 from .._native import ffi as _ffi, lib as _lib
 from .result_arena import ResultArena, open_result_arena
 

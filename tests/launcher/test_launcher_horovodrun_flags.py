@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 RANK_SCRIPT = """
 import os, numpy as np, horolite as hvd
 hvd.init()
-from horolite import config
+from horolite.core import config
 c = config.from_environ()
 assert (c.cycle_time_ms, c.cache_capacity, c.log_hide_time, c.mpi_threads_disable) == (4.0, 7, True, True), c
 assert c.stall_check_disable and not hvd.mpi_threads_supported()
@@ -38,7 +38,7 @@ def test_config_file_flags_and_unhonoured_warnings(run, tmp_path, np_):
         assert re.search(rf"^\w{{3}} \w{{3}} \d\d [\d:]+ \d{{4}}\[{rank}\]<stdout>:rank {rank} ok$",
                          r.stdout, re.M), r.stdout
     warnings = [line for line in r.stderr.splitlines() if " WARNING " in line]
-    named = sorted(re.search(r"WARNING horolite.basics: (\w+) is set but", w).group(1)
+    named = sorted(re.search(r"WARNING horolite.api.basics: (\w+) is set but", w).group(1)
                    for w in warnings)
     assert named == ["HOROLITE_CYCLETIME", "HOROVOD_ELASTIC", "HOROVOD_TORUS_ALLREDUCE"], warnings
     assert all("]<stderr>:[horolite rank 0/" in w for w in warnings)  # rank 0, no timestamp

@@ -16,13 +16,13 @@ import pytest
 from mpi4py import MPI
 
 import horolite as hvd
-from horolite import device
+from horolite.core import device
 from horolite.transport.nccl import NCCL_UNIQUE_ID_BYTES, exchange_unique_id
 from test_collectives import assert_close, make, np_dtype, reference
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
-RT = hvd.basics.runtime()
+RT = hvd.api.basics.runtime()
 NCCL_UP = RT.nccl is not None
 multi = pytest.mark.skipif(SIZE == 1, reason="needs at least two ranks")
 needs_gpu = pytest.mark.skipif(not NCCL_UP, reason=RT.nccl_reason)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import horolite as hvd
-from horolite.timeline import read_events
+from horolite.core.timeline import read_events
 
 OUTDIR = os.environ.get("HOROLITE_TEST_OUTDIR") or tempfile.mkdtemp()
 TIMELINE = os.path.join(OUTDIR, "timeline.json")
@@ -156,7 +156,7 @@ def test_every_rank_adopts_rank0_settings():
     # Fusion planning must be identical everywhere: rank 0's threshold and cycle time rule.
     reinit(HOROLITE_FUSION_THRESHOLD=str(1000 * (RANK + 1)), HOROLITE_CYCLE_TIME=str(RANK + 1))
     hvd.allreduce(np.ones(2), name="adopt")
-    rt = hvd.basics.runtime()
+    rt = hvd.api.basics.runtime()
     assert rt.executor.fusion_threshold == 1000
     assert rt._cycle_seconds == pytest.approx(0.001)
 

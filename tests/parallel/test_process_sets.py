@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import horolite as hvd
-from horolite import process_sets as ps_mod
+from horolite.api import process_sets as ps_mod
 
 os.environ["HOROLITE_DYNAMIC_PROCESS_SETS"] = "1"  # add/remove below; the list works as well
 
@@ -239,8 +239,8 @@ def test_set_collectives_reach_the_timeline_and_follow_the_global_setting(tmp_pa
     # One timeline per process (the global set's), rows of a set named "process set N/...";
     # a set runs with the global set's current fusion threshold and cycle time, as the
     # autotuner would set them.
-    from horolite import basics
-    from horolite.timeline import read_events
+    from horolite.api import basics
+    from horolite.core.timeline import read_events
     leader = basics.runtime()
     path = os.path.join(str(tmp_path_factory.getbasetemp()), "sets_timeline.json")
     from mpi4py import MPI

@@ -1,4 +1,4 @@
-"""The pipelined ring (horolite/ring.py) with tiny pieces and a tiny window.
+"""The pipelined ring (horolite/transport/ring.py) with tiny pieces and a tiny window.
 
 Runs on every rank under mpirun (tests/test_matrix_core.py). With PIECE_BYTES
 cut to a few dozen bytes, every step travels as many pieces, the scratch
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from horolite import ring as ring_module
-from horolite.ops import ReduceOp
-from horolite.ring import Ring, even_bounds
+from horolite.transport import ring as ring_module
+from horolite.core.ops import ReduceOp
+from horolite.transport.ring import Ring, even_bounds
 from horolite.transport.mpi import PointToPoint, Waiter
 
 COMM = MPI.COMM_WORLD

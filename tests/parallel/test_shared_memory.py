@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from horolite.ops import ReduceOp
+from horolite.core.ops import ReduceOp
 from horolite.transport import result_arena
 from horolite.transport import shared_memory as shm_mod
 from test_collectives import np_dtype, reference  # (starts the runtime: harmless here)
@@ -264,10 +264,10 @@ def test_an_arena_refused_anywhere_is_used_nowhere(monkeypatch):
 
 def test_runtime_uses_it_when_all_ranks_share_the_host():
     import horolite as hvd
-    from horolite import basics
+    from horolite.api import basics
     hvd.init()
     try:
-        shared = basics._runtime.transport.shared_memory
+        shared = basics.runtime().transport.shared_memory
         assert (shared is not None) == (SIZE > 1)
         x = np.arange(300000, dtype=np.float32) + RANK
         want = SIZE * np.arange(300000) + SIZE * (SIZE - 1) / 2

@@ -125,7 +125,7 @@ def test_srun_without_pmi_fails_at_init_instead_of_training_alone(slurm, jobdir)
                   cwd=str(jobdir), check=False, timeout=120)
     assert r.returncode != 0
     errors = [line for line in r.stderr.splitlines()
-              if line.startswith("horolite.launch_check.LaunchMismatchError: ")]
+              if line.startswith("horolite.failure.launch_check.LaunchMismatchError: ")]
     assert len(errors) == 2, r.stderr
     for task in (0, 1):
         assert any(f"SLURM_STEP_NUM_TASKS=2; this is SLURM_PROCID={task})" in e for e in errors)

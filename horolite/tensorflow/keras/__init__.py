@@ -22,7 +22,7 @@ from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
                       gloo_enabled, is_homogeneous, is_initialized, local_rank, local_size,
                       mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
                       shutdown, size, start_timeline, stop_timeline)
-from horolite.ops import Adasum, Average, Max, Min, Product, Sum
+from horolite.core.ops import Adasum, Average, Max, Min, Product, Sum
 
 from .. import (Compression, ProcessSet, SyncBatchNormalization, _local_layer_variables,
                 add_process_set, allgather_object, broadcast_object, broadcast_variables,

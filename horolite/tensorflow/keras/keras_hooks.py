@@ -20,7 +20,7 @@ import logging
 
 import tensorflow as tf
 
-from horolite.ops import ReduceOp
+from horolite.core.ops import ReduceOp
 
 __all__ = ["install", "check_keras_version"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from ..api import grouped_allreduce
-from horolite.ops import ReduceOp
+from horolite.core.ops import ReduceOp
 
 __all__ = ["ModelAverageCallback"]
 

@@ -5,7 +5,7 @@ import socket
 import numpy as np
 
 import horolite as hvd
-from horolite.config import env_value
+from horolite.core.config import env_value
 
 hvd.init()
 
@@ -39,7 +39,7 @@ def test_hierarchical_path_where_the_layout_allows():
     hosts = layout()
     per_host = {n for _, n in hosts}
     allowed = len(hosts) > 1 and len(per_host) == 1 and per_host.pop() > 1
-    from horolite.basics import runtime
+    from horolite.api.basics import runtime
     transport = runtime().transport
     # allreduce: on unless switched off; allgather: off unless asked for.
     for kind, default in (("ALLREDUCE", "1"), ("ALLGATHER", "0")):

@@ -1,0 +1,98 @@
+"""The queue between callers and the background thread.
+
+Callers submit entries (request + input + handle); the background thread takes
+the new ones each cycle and finds in-flight ones by name when their response
+arrives. A name already in flight is refused at submit time.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from ..errors import DuplicateNameError
+from ..core.handle import Handle
+from ..core.messages import Request
+
+__all__ = ["Entry", "TensorQueue"]
+
+
+@dataclass(slots=True)
+class Entry:
+    request: Request
+    array: Optional[np.ndarray]
+    handle: Handle
+    # Alltoall: rows for each destination rank.
+    splits: Optional[np.ndarray] = None
+    # Device arrays: a CUDA event recorded on the caller's stream at submit (see device.py);
+    # the NCCL stream waits on it before reading the array.
+    ready: object = None
+    # When the background thread took it (within a cycle of the submission: it wakes on
+    # submit), and when its response was known; for cache demotion and the timeline.
+    taken: float = 0.0
+    responded: float = 0.0
+
+
+class TensorQueue:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._inflight: Dict[str, Entry] = {}
+        self._new: List[Entry] = []
+        self._closed: Optional[BaseException] = None
+        self.wake = threading.Event()
+
+    def submit(self, entry: Entry) -> Handle:
+        name = entry.request.name
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            if name in self._inflight:
+                raise DuplicateNameError(
+                    f"tensor '{name}': a collective with this name is already in flight on this "
+                    "rank; wait for it (synchronize) or use another name")
+            self._inflight[name] = entry
+            self._new.append(entry)
+        if not self.wake.is_set():  # Event.set takes a lock and notifies: skip when already set
+            self.wake.set()
+        return entry.handle
+
+    def has_inflight(self) -> bool:
+        return bool(self._inflight)
+
+    def take_new(self) -> List[Entry]:
+        with self._lock:
+            new, self._new = self._new, []
+            self.wake.clear()
+            return new
+
+    def get(self, name: str) -> Optional[Entry]:
+        with self._lock:
+            return self._inflight.get(name)
+
+    def finish(self, name: str) -> Optional[Entry]:
+        with self._lock:
+            return self._inflight.pop(name, None)
+
+    def finish_all(self, names) -> None:
+        """finish() for a fused batch, under one lock."""
+        with self._lock:
+            pop = self._inflight.pop
+            for name in names:
+                pop(name, None)
+
+    def close(self, error: BaseException) -> List[Entry]:
+        """Refuse new work with `error`; return the entries still pending."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = error
+            pending = list(self._inflight.values())
+            self._inflight.clear()
+            self._new = []
+        self.wake.set()
+        return pending
+
+    @property
+    def closed(self) -> Optional[BaseException]:
+        return self._closed

@@ -1,0 +1,231 @@
+"""Why a rank went: told to the other ranks before the process goes, heard by them at once.
+
+A rank that fails (an uncaught exception, a fatal signal, a collective stalled past
+the shutdown time) or leaves while others may still wait sends every other rank a
+short notice on a communicator of its own: "rank 1 (host node2) failed: RuntimeError:
+bad batch (train.py:57)". Every rank keeps one receive posted for it, and every wait
+the background thread makes inside MPI tests it (transport/mpi.py's Waiter), so a rank
+blocked in a collective with the failed one hears it too. The runtime does this itself,
+so it holds under plain mpirun and srun as well as horolite-run; under horolite-run the
+failing rank also prints a marker line the launcher's summary reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Optional, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .process_hooks import exit_now
+
+__all__ = ["Notice", "FailureChannel", "PeerFailure", "describe_exception", "where_raised",
+           "caused_by_peer", "hard_exit_after", "launcher_marker", "signal_name"]
+
+_log = logging.getLogger("horolite.failure.channel")
+
+_TAG = 18
+_ACK_TAG = 19
+_RELEASE_TAG = 20
+NOTICE_BYTES = 4096
+# How long a failing rank waits for the others to confirm its notice (a running peer
+# does within a few milliseconds; a frozen one never does).
+ACK_SECONDS = 3.0
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_MARKER = "##horolite-run##"
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """What one rank told the others: why the job cannot go on."""
+    rank: int
+    text: str
+
+    def encode(self) -> bytes:
+        return self.text.encode("utf-8", "replace")[:NOTICE_BYTES]
+
+    @classmethod
+    def decode(cls, rank: int, raw: bytes) -> "Notice":
+        return cls(rank, raw.decode("utf-8", "replace") or f"rank {rank} failed")
+
+
+class PeerFailure(Exception):
+    """Raised inside a wait when another rank's notice arrived."""
+
+    def __init__(self, notice: Notice):
+        super().__init__(notice.text)
+        self.notice = notice
+
+
+class FailureChannel:
+    """Posts the receive for other ranks' notices, tests it, and sends this rank's own."""
+
+    def __init__(self, comm: MPI.Comm, hostnames: Sequence[str]):
+        self.comm = comm.Dup()
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.hostnames = list(hostnames)
+        self.heard: Optional[Notice] = None
+        self.sent: Optional[Notice] = None
+        self._lock = threading.Lock()
+        self._inbox = np.zeros(NOTICE_BYTES, dtype=np.uint8)
+        self.status = MPI.Status()
+        self.request = (self.comm.Irecv(self._inbox, source=MPI.ANY_SOURCE, tag=_TAG)
+                        if self.size > 1 else None)
+
+    def where(self, rank: int) -> str:
+        """'rank 1 (host node2)'."""
+        host = self.hostnames[rank] if 0 <= rank < len(self.hostnames) else "?"
+        return f"rank {rank} (host {host})"
+
+    def check(self) -> Optional[Notice]:
+        """The first notice another rank sent, once it has arrived (background thread)."""
+        if self.heard is None and self.request is not None:
+            with self._lock:
+                if self.request is not None and self.request.Test(self.status):
+                    self.completed()
+        return self.heard
+
+    def completed(self) -> None:
+        """The receive finished (Test here, or a Waitany on it in the Waiter)."""
+        count = self.status.Get_count(MPI.BYTE)
+        self.heard = Notice.decode(self.status.Get_source(), self._inbox[:count].tobytes())
+        self.request = None
+
+    def close(self) -> None:
+        """Collective (every rank stopping together): drop the posted receive."""
+        if self.request is not None:
+            self.request.Cancel()
+            self.request.Wait()
+            self.request = None
+        try:
+            self.comm.Free()
+        except MPI.Exception:
+            pass
+
+    def acknowledge(self) -> None:
+        """Tell the rank whose notice arrived that this rank has it (and has reported it)."""
+        if self.heard is not None:
+            self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=self.heard.rank, tag=_ACK_TAG)
+
+    def announce(self, text: str) -> bool:
+        """Send this rank's notice to every other rank, once, and wait up to ACK_SECONDS
+        for them to confirm (their background threads report it before they do); a peer
+        that is frozen or gone does not hold this rank longer. False if this rank already
+        announced, or heard another rank's notice first (then it is not the cause)."""
+        if self.sent is not None or self.heard is not None or self.size == 1:
+            return False
+        self.sent = Notice(self.rank, text)
+        data = np.frombuffer(self.sent.encode(), dtype=np.uint8)
+        peers = [q for q in range(self.size) if q != self.rank]
+        acks = np.zeros(len(peers), dtype=np.uint8)
+        requests = [self.comm.Irecv(acks[i:i + 1], source=q, tag=_ACK_TAG)
+                    for i, q in enumerate(peers)]
+        requests += [self.comm.Isend(data, dest=q, tag=_TAG) for q in peers]
+        _wait_until(requests, time.monotonic() + ACK_SECONDS)
+        # Every peer has reported it: they may end now (await_release). Until then one
+        # ending early would make mpirun kill the others before they had said why.
+        release = [self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=q, tag=_RELEASE_TAG)
+                   for q in peers]
+        _wait_until(release, time.monotonic() + 0.5)
+        return True
+
+    def await_release(self) -> None:
+        """Before this rank ends because of another rank's notice: wait (up to
+        ACK_SECONDS) until that rank has heard every peer confirm it."""
+        if self.heard is None or self.heard.rank == self.rank:
+            return
+        flag = np.zeros(1, dtype=np.uint8)
+        request = self.comm.Irecv(flag, source=self.heard.rank, tag=_RELEASE_TAG)
+        if not _wait_until([request], time.monotonic() + ACK_SECONDS + 0.5):
+            request.Cancel()
+
+
+def _wait_until(requests, deadline: float) -> bool:
+    while not MPI.Request.Testall(requests):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def where_raised(tb) -> str:
+    """file:line of the innermost frame of the user's code (not horolite's, not Python's)."""
+    frames = traceback.extract_tb(tb)
+    stdlib = os.path.dirname(os.__file__)
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if not (path.startswith(_OWN_DIR) or path.startswith(stdlib) or "site-packages" in path
+                or frame.filename.startswith("<frozen")):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
+
+
+def describe_exception(exc: BaseException, tb=None) -> str:
+    """'RuntimeError: bad batch (train.py:57)'."""
+    message = str(exc).strip().splitlines()
+    text = type(exc).__name__ + (f": {message[0]}" if message else "")
+    return f"{text} ({where_raised(tb or exc.__traceback__)})"
+
+
+def caused_by_peer(exc: BaseException) -> bool:
+    """True for the runtime's errors that report another rank's failure."""
+    return getattr(exc, "horolite_peer", None) is not None
+
+
+def _under_rank_wrapper() -> bool:
+    """True when horolite-run's rank wrapper is this process's parent (Linux /proc)."""
+    global _wrapped
+    if _wrapped is None:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                _wrapped = b"rankwrap" in f.read()
+        except OSError:
+            _wrapped = False
+    return _wrapped
+
+
+_wrapped: Optional[bool] = None
+
+
+def launcher_marker(kind: str, **fields) -> None:
+    """A line for horolite-run's summary, only under it (its rank wrapper reads it)."""
+    if not _under_rank_wrapper():
+        return
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if k != "text")
+    line = f"{_MARKER} {kind} {text}"
+    if "text" in fields:
+        line += " text=" + " ".join(str(fields["text"]).split())
+    try:
+        sys.stderr.flush()
+        os.write(2, (line + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def hard_exit_after(seconds: float, code: int, why: str) -> threading.Event:
+    """End this process `seconds` from now unless it has ended by itself: a rank stuck in
+    user code must not keep the job alive. Setting the returned event cancels it."""
+    cancel = threading.Event()
+
+    def run():
+        if cancel.wait(seconds):
+            return
+        _log.error("%s: ending this process now (exit code %d)", why, code)
+        exit_now(code)
+    threading.Thread(target=run, name="horolite-hard-exit", daemon=True).start()
+    return cancel
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

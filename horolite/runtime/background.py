@@ -1,0 +1,420 @@
+"""The runtime: topology at init, the background thread and its cycle, shutdown.
+
+Each cycle every rank contributes one small vector to a bitwise-OR allreduce:
+flag bits, the complement of the response-cache slots it has ready (so the OR
+of complements is the complement of "ready everywhere") and the cache slots it
+wants invalidated. Only when some rank has uncached work, has joined, or rank 0
+must speak does the cycle also gather requests to rank 0 and broadcast its
+responses. The background thread is the only thread that calls MPI after init.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+from mpi4py import MPI
+
+from ..core import config as config_mod
+from ..coordination import wire
+from ..coordination.autotune import Autotuner, parse_start
+from ..coordination.control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
+from ..failure.collective_watch import CollectiveWatch
+from ..errors import ControlMessageError, HorovodInternalError, ShutdownError, StallError
+from ..failure.channel import FailureChannel, PeerFailure, launcher_marker
+from ..failure.heartbeat import Heartbeat
+from .job_end import JobEnd
+from ..execution.executor import Executor
+from ..core.messages import JOIN_NAME, Kind
+from ..coordination.negotiation import Coordinator
+from ..coordination.response_cache import HIT, INVALID, MISS, ResponseCache
+from ..coordination.stall import StallInspector
+from ..coordination.tensor_queue import Entry, TensorQueue
+from ..core.timeline import SetTimeline, open_timeline
+from ..transport.mpi import MPITransport, oversubscribed
+from ..transport.shared_memory import open_shared_memory
+from ..failure.shm_files import report_to_launcher as report_shm_files
+from ..transport.hierarchical import open_hierarchical
+from ..transport.nccl import create_nccl_transport
+
+__all__ = ["Runtime", "Topology"]
+
+_log = logging.getLogger("horolite")
+
+
+# A tensor waiting on cache bits this long falls back to full negotiation, so
+# rank 0 can see it (and report it if it stalls).
+CACHE_DEMOTE_SECONDS = 1.0
+# Longest pause between cycles while this rank has nothing in flight.
+IDLE_MAX_SECONDS = 0.1
+# Why rank 0 stops the job (the reason word travels with the response list).
+_STOP_ERRORS = {"stall": StallError, "control": ControlMessageError}
+
+
+class Topology:
+    """rank/size of the job, of this host and across hosts."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = local.Get_rank()
+        self.local_size = local.Get_size()
+        cross = comm.Split(color=self.local_rank, key=self.rank)
+        self.cross_rank = cross.Get_rank()
+        self.cross_size = cross.Get_size()
+        local_sizes = comm.allgather(self.local_size)
+        self.is_homogeneous = len(set(local_sizes)) == 1
+        self.hostname = MPI.Get_processor_name()
+        local.Free()
+        cross.Free()
+
+
+class Runtime(JobEnd):
+    """The job's runtime (the global process set), or a process set's: then `set_label`
+    names the set in errors, `job_ranks` are its members' job ranks, and `leader` is the
+    global runtime (process_sets.py)."""
+
+    def __init__(self, comm: MPI.Comm, cfg: config_mod.Config, set_label: Optional[str] = None,
+                 job_ranks: Optional[List[int]] = None, leader: Optional["Runtime"] = None,
+                 timeline_prefix: str = ""):
+        self.set_label = set_label
+        self.leader = leader
+        if leader is not None:
+            # One timeline and one autotuner per process, the global set's: a set writes
+            # to that timeline (SetTimeline) and runs with its tuned setting (_set_setting).
+            cfg = dataclasses.replace(cfg, timeline="", autotune=False)
+        self.config = cfg
+        self.comm = comm
+        self.topology = Topology(comm)
+        self.rank = self.topology.rank
+        self.size = self.topology.size
+        self.job_ranks = list(job_ranks) if job_ranks is not None else list(range(self.size))
+        # Blocking inside MPI spins a core; a rank whose neighbour (or whose framework's
+        # threads) need that core must poll and yield instead.
+        polite = cfg.wait_mode == "poll" or oversubscribed(self.topology.local_size)
+        if cfg.wait_mode == "block" and polite:
+            _log.warning("HOROLITE_WAIT_MODE=block ignored: %d ranks share this host's cores",
+                         self.topology.local_size)
+        shared = open_shared_memory(comm, polite, cfg.stall_check_time_seconds,
+                                    enabled=cfg.shared_memory)
+        # Failures and stalls (failure.py, collective_watch.py): every wait on other ranks
+        # hears another rank's failure notice and times itself.
+        hostnames = comm.allgather(self.topology.hostname)
+        self.failures = FailureChannel(comm, hostnames)
+        if leader is not None:  # a process set's messages name job ranks
+            self.failures.where = self._where_in_job
+        # Which peers are still heard from (heartbeat.py): what a stall report names.
+        self.heartbeat = (Heartbeat(comm, hostnames) if self.size > 1 and not cfg.stall_check_disable
+                          else None)
+        self.watch = CollectiveWatch(self.failures, cfg.stall_check_time_seconds,
+                                     cfg.stall_shutdown_time_seconds, not cfg.stall_check_disable,
+                                     self.heartbeat)
+        self.doomed: Optional[BaseException] = None  # set when this process must end
+        self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
+                                      watch=self.watch, channel=self.failures)
+        (self.transport.hierarchical_allreduce,
+         self.transport.hierarchical_allgather) = open_hierarchical(
+            comm, self.transport.waiter, cfg.hierarchical_allreduce, cfg.hierarchical_allgather)
+        self.queue = TensorQueue()
+        self.cache = ResponseCache(cfg.cache_capacity)
+        self.timeline = (open_timeline(cfg.timeline, self.rank) if leader is None else
+                         SetTimeline(leader, timeline_prefix))
+        self._mark_cycles = cfg.timeline_mark_cycles
+        self.executor = Executor(self.transport, self.queue, cfg.fusion_threshold, self.timeline)
+        # GPU path (device.py, transport/nccl.py): collective over comm; NCCL only when every
+        # rank has a GPU, else None and the reason device arrays are refused.
+        self.nccl, self.nccl_reason = create_nccl_transport(comm, self.topology.local_rank)
+        if self.nccl is not None:
+            from ..execution.device_executor import DeviceExecutor
+            self.executor.device = DeviceExecutor(self.nccl, cfg.fusion_threshold)
+        self.coordinator = (Coordinator(self.size, self.job_ranks if leader is not None else None)
+                            if self.rank == 0 else None)
+        self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds,
+                                     self.failures.where if leader is None else
+                                     lambda job_rank: self._where_in_job(self.job_ranks.index(job_rank)))
+                      if self.rank == 0 and not cfg.stall_check_disable else None)
+        self._control = ControlVector(cfg.cache_capacity)
+        self._unsent: List[Entry] = []
+        self._waiting: Dict[int, Entry] = {}  # cache slot -> entry waiting for all ranks
+        self._invalid: set = set()
+        self._joined = False
+        self._shutdown_requested = threading.Event()
+        self._exiting: Optional[int] = None
+        self._hard_exit: Optional[threading.Event] = None  # set: the hard exit is cancelled
+        self._fatal: Optional[BaseException] = None
+        self._demote_after = min(CACHE_DEMOTE_SECONDS, cfg.stall_check_time_seconds / 2)
+        self._cycle_seconds = cfg.cycle_time_ms / 1000.0
+        self.autotuner = (Autotuner(cfg, start=parse_start(cfg.autotune_start))
+                          if cfg.autotune and self.rank == 0 else None)
+        self._setting = ((self.autotuner.setting if self.autotuner else
+                          (cfg.fusion_threshold, cfg.cycle_time_ms)))
+        _log.info("horolite runtime up: rank %d of %d on %s (local %d/%d)%s", self.rank,
+                  self.size, self.topology.hostname, self.topology.local_rank,
+                  self.topology.local_size, ", polling MPI" if polite else ", blocking in MPI")
+        if leader is None:
+            report_shm_files(self.rank)
+            # Process sets are made over a communicator of their own (the background
+            # thread owns `comm`): see process_sets.py.
+            self.set_comm = comm.Dup()
+        _log.info("rank %d: allreduce %s", self.rank,
+                  "through shared memory (every rank on this host)" if shared is not None
+                  else "over the ring of MPI messages")
+        self._thread = threading.Thread(target=self._loop, name=f"horolite-background-{self.rank}"
+                                        + (f"-{set_label}" if set_label else ""),
+                                        daemon=True)
+        self._thread.start()
+
+    def _where_in_job(self, set_rank: int) -> str:
+        """'rank 3 (host node2)' for a process set's rank 1 whose job rank is 3."""
+        hosts = self.failures.hostnames
+        host = hosts[set_rank] if 0 <= set_rank < len(hosts) else "?"
+        job = self.job_ranks[set_rank] if 0 <= set_rank < len(self.job_ranks) else set_rank
+        return f"rank {job} (host {host})"
+
+    # ---- caller side ----
+    def submit(self, entry: Entry):
+        return self.queue.submit(entry)
+
+    def shutdown(self, timeout: float = 30.0, exiting: Optional[int] = None) -> None:
+        """Ask every rank to stop; fail what is pending; never hang. `exiting`: this
+        process is exiting (the exit code, or -1 when unknown): other ranks' pending
+        collectives then fail naming this rank as the one that left."""
+        self._exiting = exiting
+        if self._hard_exit is not None and exiting is None:
+            self._hard_exit.set()  # the user's code handled the failure and shuts down itself
+        self._shutdown_requested.set()
+        self.queue.wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                _log.warning("rank %d: background thread did not stop within %.0f s "
+                             "(another rank may have died); giving up on it", self.rank, timeout)
+                self._fail_pending(ShutdownError("horolite was shut down before this collective completed"))
+        if self.nccl is not None and not self._thread.is_alive():
+            self.nccl.close()  # GPU path: free the communicator so a later init() makes a new one
+        self.timeline.close()
+
+    def _set_setting(self):
+        """A process set runs with the global set's current (fusion threshold, cycle
+        time in ms): as in Horovod, the tuned parameters are the process's, not a set's."""
+        leader = self.leader
+        return leader.executor.fusion_threshold, leader._cycle_seconds * 1000.0
+
+    def set_timeline(self, timeline, mark_cycles: bool) -> None:
+        """Swap the timeline (start_timeline/stop_timeline). The background thread may
+        still write a span to the old one: closed, it drops it."""
+        old, self.timeline = self.timeline, timeline
+        self.executor.timeline = timeline
+        self._mark_cycles = mark_cycles
+        old.close()
+
+    # ---- background thread ----
+    def _loop(self) -> None:
+        idle_cycles = 0
+        try:
+            while True:
+                start = time.monotonic()
+                alive = self._cycle()
+                self.timeline.flush()  # one write per cycle, whatever the number of events
+                if not alive:
+                    # Every rank stops at the same agreed cycle, so collective cleanup is safe.
+                    self.transport.close()
+                    if self.doomed is None:
+                        if self.heartbeat is not None:
+                            self.heartbeat.close()
+                        self.failures.close()
+                    break
+                if self.queue.has_inflight():
+                    # Work is waiting on other ranks: space the cycles out, but start
+                    # at once when new work arrives (a tight loop submits while we run).
+                    idle_cycles = 0
+                    remaining = self._cycle_seconds - (time.monotonic() - start)
+                    if remaining > 0:
+                        self.queue.wake.wait(remaining)
+                else:
+                    # Nothing in flight here, so no other rank can be waiting on this one
+                    # until it submits (and submitting wakes us): after a couple of cycles,
+                    # back off to IDLE_MAX_SECONDS; a cycle starts as soon as work arrives.
+                    # (Not while quorum allreduces run: they need this rank without its work.)
+                    idle_cycles += 1
+                    pause = (self._cycle_seconds if idle_cycles <= 2 or self.executor.quorum.active(start)
+                             else max(self._cycle_seconds, IDLE_MAX_SECONDS))
+                    self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))
+        except PeerFailure as e:  # heard inside a wait: another rank failed (or this one)
+            self._end_for_failure(e.notice)
+        except StallError as e:  # a collective stalled inside a wait, on this rank
+            self._end_for_failure(None, e)
+        except BaseException as e:  # a bug: report it everywhere rather than hang the job
+            _log.exception("rank %d: background thread failed", self.rank)
+            self._end_for_failure(None, HorovodInternalError(
+                f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
+
+    def _fail_pending(self, error: BaseException) -> None:
+        self._fatal = self._fatal or error
+        pending = self.queue.close(error)
+        for entry in pending:
+            exc = type(error)(f"tensor '{entry.request.name}': {error}")
+            exc.horolite_peer = getattr(error, "horolite_peer", None)
+            entry.handle._set_exception(exc)
+        self._unsent.clear()
+        self._waiting.clear()
+
+    def _cycle(self) -> bool:
+        """One negotiate-fuse-execute round; False when the runtime must stop."""
+        now = time.monotonic()
+        notice = self.failures.check() or self.failures.sent
+        if notice is not None:
+            raise PeerFailure(notice)
+        if self.heartbeat is not None:
+            self.heartbeat.tick(now)
+        if self._mark_cycles:
+            self.timeline.instant("CYCLE_START")
+        lookup = self.cache.lookup if self.cache.capacity else None
+        waiting = self._waiting
+        for entry in self.queue.take_new():
+            entry.taken = now
+            req = entry.request
+            if req.quorum and self.executor.quorum.answer(entry):
+                continue  # decided without this rank: answered with that result
+            if req.kind == Kind.JOIN:
+                self._joined = True
+                self._unsent.append(entry)
+                continue
+            status, slot = lookup(req) if lookup is not None else (MISS, -1)
+            if status is HIT and slot not in waiting:
+                waiting[slot] = entry
+            else:
+                if status is INVALID:
+                    self._invalid.add(slot)
+                self._unsent.append(entry)
+        # Oldest first (insertion order is submission order), so stop at the first young one.
+        expired = []
+        for slot, entry in waiting.items():
+            if now - entry.taken <= self._demote_after:
+                break
+            expired.append(slot)
+        for slot in expired:
+            self._invalid.add(slot)
+            self._unsent.append(waiting.pop(slot))
+
+        flags = 0
+        if self._unsent:
+            flags |= HAS_UNSENT
+        if self._shutdown_requested.is_set():
+            flags |= SHUTDOWN
+        if self._joined:
+            flags |= JOINED
+        stop = None
+        if self.stall is not None:
+            stall_message = self.stall.check(self.coordinator, now, self.rank)
+            if stall_message:
+                stop = ("stall", stall_message)
+                flags |= COORDINATOR
+
+        control = self._control
+        if self.leader is not None and self.rank == 0:
+            self._setting = self._set_setting()
+        vec = control.encode(flags, self._setting if self.rank == 0 else None,
+                             self._waiting, self._invalid)
+        self._invalid.clear()
+        self.transport.control_or(vec, control.received)
+        global_flags, fusion_threshold, self._cycle_seconds, ready_slots, invalid_slots = \
+            control.decode()
+        self.executor.set_fusion_threshold(fusion_threshold)
+
+        if global_flags & SHUTDOWN:
+            self._fail_pending(self._shutdown_error())
+            return False
+
+        for slot in invalid_slots:
+            entry = self._waiting.pop(slot, None)
+            if entry is not None:
+                self._unsent.append(entry)
+            self.cache.erase(slot)
+        if ready_slots:
+            # Per tensor, every step: whole-list operations, no Python step per slot
+            # unless the timeline is on.
+            if invalid_slots:
+                dropped = set(invalid_slots)
+                ready_slots = [slot for slot in ready_slots if slot not in dropped]
+            responses = self.cache.responses(ready_slots)
+            entries = list(map(self._waiting.pop, ready_slots))
+            if self.timeline.enabled:
+                for resp, entry in zip(responses, entries):
+                    entry.responded = now
+                    self.timeline.span(resp.name, "NEGOTIATE", entry.taken, now,
+                                       {"cached": True})
+        else:
+            responses, entries = [], []
+
+        if global_flags & JOINED:
+            # A joined rank sets no cache bits: everything goes through rank 0 until all join.
+            self._unsent.extend(self._waiting.values())
+            self._waiting.clear()
+
+        agreed_stop = None
+        # Every rank takes this branch or none: it depends only on reduced values.
+        if global_flags & (HAS_UNSENT | JOINED | COORDINATOR) or invalid_slots:
+            negotiated, agreed_stop = self._negotiate(stop)
+            done = time.monotonic()
+            for resp in negotiated:
+                entry = self.queue.get(resp.name) if resp.kind != Kind.JOIN else self._join_entry()
+                if resp.kind == Kind.JOIN:
+                    self._joined = False
+                if entry is not None:
+                    entry.responded = done
+                    self.timeline.span(resp.name, "NEGOTIATE", entry.taken, done)
+                    if self.cache.cacheable(resp):
+                        evicted_slot = self.cache.put(entry.request, resp)
+                        if evicted_slot is not None:
+                            self._demote(evicted_slot)
+                responses.append(resp)
+                entries.append(entry)
+
+        if responses:
+            reduced = self.executor.run(responses, entries)
+            if self.autotuner is not None and self.autotuner.observe(time.monotonic(), reduced):
+                self._setting = self.autotuner.setting
+        if agreed_stop:
+            reason, message = agreed_stop
+            _log.error("rank %d: %s", self.rank, message)
+            if self.rank == 0:
+                launcher_marker("stall" if reason == "stall" else "cause", rank=0, code=1,
+                                text=message)
+            self._doom(_STOP_ERRORS.get(reason, HorovodInternalError)(message))
+            return False
+        return True
+
+    def _join_entry(self) -> Optional[Entry]:
+        return self.queue.get(JOIN_NAME)
+
+    def _demote(self, slot: int) -> None:
+        entry = self._waiting.pop(slot, None)
+        if entry is not None:
+            self._unsent.append(entry)
+
+    def _negotiate(self, stop: Optional[Tuple[str, str]]):
+        """Gather unsent requests at rank 0; broadcast its ordered responses, and a
+        (reason, message) when every rank must stop (a stall, a malformed message)."""
+        mine = [e.request for e in self._unsent]
+        self._unsent = []
+        gathered = self.transport.gather_bytes(wire.encode_requests(mine) if self.rank else b"")
+        payload = b""
+        if self.rank == 0:
+            now = time.monotonic()
+            try:
+                decoded = [mine] + [wire.decode_requests(data, q)
+                                    for q, data in enumerate(gathered) if q]
+            except ControlMessageError as e:
+                _log.error("rank 0: %s; stopping the job", e)
+                decoded, stop = [], ("control", str(e))
+            for rank, requests in enumerate(decoded):
+                self.coordinator.add(rank, requests, now)
+            responses = self.coordinator.responses() if decoded else []
+            self.transport.bcast_bytes(wire.encode_responses(responses, stop))
+            return responses, stop
+        return wire.decode_responses(self.transport.bcast_bytes(payload), 0)
+

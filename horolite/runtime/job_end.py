@@ -1,0 +1,127 @@
+"""The end of a job that cannot go on: the Runtime's side of failure.py.
+
+A rank whose user code raised, that got SIGTERM, or whose background thread found
+a stall or heard another rank's failure notice fails every pending and later
+collective with the cause, tells the other ranks (when the cause is its own),
+prints a marker for horolite-run's summary, and makes sure the process ends: by
+itself when its user code raises the error, else EXIT_GRACE_SECONDS later.
+At an agreed shutdown, every rank learns which rank left and with what exit code.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+
+from ..errors import HorovodInternalError, ShutdownError
+from . import registry
+from ..failure.channel import (Notice, caused_by_peer, describe_exception, hard_exit_after,
+                               launcher_marker, signal_name)
+
+__all__ = ["JobEnd", "EXIT_GRACE_SECONDS"]
+
+_log = logging.getLogger("horolite")
+
+# Seconds a rank whose job cannot go on has to end by itself (its user code raising the
+# error) before it ends itself: a rank asleep in user code must not keep the job alive.
+EXIT_GRACE_SECONDS = 3.0
+
+
+class JobEnd:
+    """Mixed into Runtime: uses its failures (FailureChannel), heartbeat, queue, transport, rank,
+    size, doomed, _hard_exit, _exiting and _fail_pending."""
+
+    def report_exception(self, exc: BaseException, tb) -> None:
+        """An uncaught exception is ending this process (main thread): tell the others."""
+        if caused_by_peer(exc) or self.doomed is not None:
+            self.failures.await_release()  # so that no peer is killed before it reports
+            return  # the cause is elsewhere, and already reported
+        text = f"{self.failures.where(self.rank)} failed: {describe_exception(exc, tb)}"
+        launcher_marker("cause", rank=self.rank, code=1, text=text)
+        self.doomed = HorovodInternalError(text)
+        self.failures.announce(text)
+        self.queue.wake.set()
+
+    def report_signal(self, signum: int) -> None:
+        """SIGTERM is ending this process: tell the others (unless they told us first)."""
+        if self.doomed is not None or self.failures.heard is not None:
+            return
+        text = (f"{self.failures.where(self.rank)} was killed by signal {signum} "
+                f"({signal_name(signum)})")
+        launcher_marker("cause", rank=self.rank, code=128 + signum, text=text)
+        # A launcher that stops the job after a rank died (Open MPI's: SIGTERM to the
+        # others) makes this signal a consequence: name the peer that went first.
+        gone = self.heartbeat.gone() if self.heartbeat is not None else {}
+        if gone:
+            first = "; ".join(f"{self.failures.where(q)} stopped answering (its process {pid} "
+                              "is gone)" for q, pid in sorted(gone.items()))
+            text = f"{first}; then {text}"
+        self.doomed = HorovodInternalError(text)
+        self.failures.announce(text)
+
+    def _end_for_failure(self, notice: Optional[Notice], error: Optional[BaseException] = None):
+        """Fail every pending and later collective with the cause, and end this process
+        soon even if its user code is stuck elsewhere (failure.hard_exit_after)."""
+        if notice is not None and notice.rank != self.rank:
+            _log.error("rank %d: %s; failing this rank's collectives", self.rank, notice.text)
+            launcher_marker("stopped", rank=self.rank, by=notice.rank, text=notice.text)
+            self.failures.acknowledge()
+            error = HorovodInternalError(notice.text)
+            error.horolite_peer = notice.rank
+        elif notice is not None:  # this rank's own notice (report_exception)
+            error = self.doomed
+        else:  # found on this rank: fail its collectives, then tell the others
+            _log.error("rank %d: %s", self.rank, error)
+            launcher_marker("cause", rank=self.rank, code=1, text=error)
+            self._doom(error)
+            self.failures.announce(str(error))
+            return
+        self._doom(error)
+
+    def _doom(self, error: BaseException) -> None:
+        """This rank cannot go on: its collectives fail, every process set's on it too."""
+        first = self.doomed is None
+        # Doomed first: user code woken by the failed handles must see the cause is known.
+        self.doomed = self.doomed or error
+        self._fail_pending(error)
+        if self._hard_exit is None:
+            self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}")
+        if first:
+            for other in registry.runtimes():
+                if other is not self:
+                    other.doom_from_sibling(error)
+
+    def doom_from_sibling(self, error: BaseException) -> None:
+        """Another runtime of this process (another process set's) was doomed: fail this
+        one's pending and later collectives with the same error (the caller's thread; this
+        runtime's own thread may be waiting on the rank that failed)."""
+        if self.doomed is not None:
+            return
+        self.doomed = error
+        self._fatal = self._fatal or error
+        for entry in self.queue.close(error):
+            exc = type(error)(f"tensor '{entry.request.name}': {error}")
+            exc.horolite_peer = getattr(error, "horolite_peer", None)
+            entry.handle._set_exception(exc)
+
+    def _shutdown_error(self) -> ShutdownError:
+        """Who stopped the job, and how (one small allgather: every rank agreed on the
+        shutdown in this same cycle, so every rank makes it)."""
+        mine = np.array([0 if self._exiting is None else 1,
+                         -1 if self._exiting is None else self._exiting], dtype=np.int64)
+        everyone = self.transport.allgather_ints(mine)
+        leavers = [q for q in range(self.size) if everyone[q][0]]
+        if not leavers:
+            return ShutdownError("horolite was shut down (shutdown() was called on a rank) "
+                                 "before this collective completed")
+        first = leavers[0]
+        code = int(everyone[first][1])
+        how = f"its process exited with code {code}" if code >= 0 else "its process exited"
+        error = ShutdownError(f"{self.failures.where(first)} left the job ({how}) before this "
+                              "collective completed on every rank")
+        if first != self.rank:
+            error.horolite_peer = first
+            if self.queue.has_inflight():
+                launcher_marker("stopped", rank=self.rank, by=first, text=error)
+        return error

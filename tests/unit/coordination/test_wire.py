@@ -1,0 +1,105 @@
+"""The binary control messages: round trips, and a seeded fuzz of the decoders."""
+import random
+import time
+
+import pytest
+
+from horolite.coordination import wire
+from horolite.errors import ControlMessageError
+from horolite.core.messages import Kind, Request, Response
+
+# One case per field of each table: a new field gets a value here.
+REQUESTS = [
+    Request("grad.0", Kind.ALLREDUCE, "float32", (3, 4)),
+    Request("w/ünï", Kind.BROADCAST, "int64", (), op=1, root=2, prescale=0.5, postscale=-2.25,
+            device="cuda"),
+    Request("g", Kind.ALLREDUCE, "float16", (10,), group=((2, 3), (4,), ()), quorum=3),
+    Request("horolite.join", Kind.JOIN, "", ()),
+]
+RESPONSES = [
+    Response(Kind.ALLREDUCE, "grad.0", "float32", (3, 4), op=3, prescale=2.0, postscale=0.125),
+    Response(Kind.ALLREDUCE, "q", "float64", (2,), contributors=(0, 2, 3), present=(0, 1, 2, 3)),
+    Response(Kind.ALLGATHER, "ag", "uint8", (5, 2), first_dims=(5, 0, 7), joined=(1,)),
+    Response(Kind.BROADCAST, "b", error="tensor 'b': mismatched dtype: rank 0 had int8",
+             error_type="invalid", root=1, device="cuda"),
+    Response(Kind.JOIN, "horolite.join", last_joined=3),
+]
+
+
+def test_every_field_has_a_case():
+    assert [a for a, _ in wire.REQUEST_FIELDS] == [
+        f for f in Request.__dataclass_fields__]
+    assert {a for a, _ in wire.RESPONSE_FIELDS} == set(Response.__dataclass_fields__) - {"cache_slot"}
+    # each field takes a value other than its default in some case above
+    for cases, fields in ((REQUESTS, wire.REQUEST_FIELDS), (RESPONSES, wire.RESPONSE_FIELDS)):
+        cls = type(cases[0])
+        for attr, _ in fields:
+            default = cls.__dataclass_fields__[attr].default
+            assert any(getattr(c, attr) != default for c in cases), attr
+
+
+def test_requests_round_trip():
+    got = wire.decode_requests(wire.encode_requests(REQUESTS), sender=3)
+    assert got == REQUESTS
+    assert all(type(r.kind) is Kind for r in got)
+    assert wire.decode_requests(wire.encode_requests([]), 1) == []
+
+
+@pytest.mark.parametrize("stop", [None, ("stall", "tensor 'x' waited 10 s"), ("control", "")])
+def test_responses_round_trip(stop):
+    got, got_stop = wire.decode_responses(wire.encode_responses(RESPONSES, stop), 0)
+    assert got == RESPONSES and got_stop == stop
+
+
+def test_bad_bytes_name_the_sender():
+    good = wire.encode_requests(REQUESTS)
+    with pytest.raises(ControlMessageError, match=r"malformed request list from rank 2 .*truncated"):
+        wire.decode_requests(good[:-3], sender=2)
+    with pytest.raises(ControlMessageError, match=r"from rank 5 .*left over"):
+        wire.decode_requests(good + b"x", sender=5)
+    with pytest.raises(ControlMessageError, match=r"from rank 1 .*not 0x"):
+        wire.decode_requests(wire.encode_responses(RESPONSES), sender=1)
+    # kind byte of the first request (after magic, count, name length, name)
+    bad = bytearray(good)
+    bad[8] = 4  # the kind, first of the fixed fields
+    with pytest.raises(ControlMessageError, match="unknown collective kind 4"):
+        wire.decode_requests(bytes(bad), sender=1)
+    # a pickle is not a message, and decoding it runs nothing
+    import pickle
+    with pytest.raises(ControlMessageError, match="from rank 1"):
+        wire.decode_requests(pickle.dumps(REQUESTS), sender=1)
+
+
+def _mutations(rng, data: bytes):
+    yield data[:rng.randrange(len(data))]  # truncated
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 4)):  # flipped bytes
+        b[rng.randrange(len(b))] = rng.randrange(256)
+    yield bytes(b)
+    b = bytearray(data)  # a length field blown up
+    pos = rng.randrange(len(b) - 4)
+    b[pos:pos + 4] = rng.choice([b"\xff\xff\xff\xff", b"\x00\x00\x10\x00", b"\x07\x00\x00\x00"])
+    yield bytes(b)
+    yield bytes(rng.randrange(256) for _ in range(rng.randrange(64)))  # noise
+
+
+def test_fuzzed_messages_decode_or_raise_one_error():
+    """Seeded: any result is either well-typed records or ControlMessageError, nothing else."""
+    rng = random.Random(18)
+    good = [(wire.decode_requests, wire.encode_requests(REQUESTS)),
+            (wire.decode_responses, wire.encode_responses(RESPONSES, ("stall", "m")))]
+    deadline, cases = time.monotonic() + 2.0, 0
+    while time.monotonic() < deadline:
+        for decode, data in good:
+            for bad in _mutations(rng, data):
+                cases += 1
+                try:
+                    out = decode(bad, 4)
+                except ControlMessageError as e:
+                    assert "from rank 4" in str(e)
+                    continue
+                records = out[0] if isinstance(out, tuple) else out
+                for rec in records:
+                    assert type(rec) in (Request, Response) and type(rec.kind) is Kind
+                    assert isinstance(rec.name, str) and all(type(d) is int for d in rec.shape)
+    assert cases > 1000

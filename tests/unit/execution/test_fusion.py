@@ -1,0 +1,77 @@
+"""Fusion planning is a pure function of the response list and sizes."""
+import numpy as np
+
+from horolite.execution.fusion import plan_spans
+from horolite.core.messages import Kind, Response
+
+
+def ar(name, n, dtype="float32", op=1, **kw):
+    return Response(kind=Kind.ALLREDUCE, name=name, dtype=dtype, shape=(n,), op=op, **kw)
+
+
+def size(resp):
+    return resp.shape[0] * np.dtype(resp.dtype).itemsize
+
+
+def names(rs, threshold):
+    """The planned batches, as lists of names."""
+    return [[r.name for r in rs[a:b]] for a, b in plan_spans(rs, size, threshold)]
+
+
+def test_consecutive_compatible_tensors_fuse_up_to_threshold():
+    rs = [ar("a", 10), ar("b", 10), ar("c", 10)]
+    assert names(rs, 80) == [["a", "b"], ["c"]]
+    assert names(rs, 1000) == [["a", "b", "c"]]
+
+
+def test_threshold_zero_disables_fusion():
+    rs = [ar("a", 1), ar("b", 1)]
+    assert names(rs, 0) == [["a"], ["b"]]
+
+
+def test_bigger_than_threshold_runs_alone():
+    rs = [ar("a", 1), ar("big", 1000), ar("b", 1)]
+    assert names(rs, 100) == [["a"], ["big"], ["b"]]
+
+
+def test_different_dtype_op_scale_or_kind_break_batches():
+    rs = [ar("a", 1), ar("b", 1, dtype="float64"), ar("c", 1, dtype="float64", op=3),
+          ar("d", 1, dtype="float64", op=3, prescale=2.0),
+          Response(kind=Kind.BROADCAST, name="e", dtype="float64", shape=(1,)),
+          ar("f", 1, dtype="float64", op=3, prescale=2.0), ar("g", 1, error="x")]
+    assert names(rs, 1 << 20) == [["a"], ["b"], ["c"], ["d"], ["e"], ["f"], ["g"]]
+
+
+def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
+    from horolite.execution.executor import OutputPool
+    pool = OutputPool()
+    f32 = np.dtype(np.float32)
+    a = pool.empty((1 << 18,), f32)  # 1 MiB: pooled
+    b = pool.empty((1 << 18,), f32)
+    assert a is not b and pool._held == 2 << 20
+    view = a[:4]
+    a_id = id(a)
+    del a
+    c = pool.empty((1 << 18,), f32)  # a lives on through the view, b is held: a new array
+    assert id(c) != a_id and c is not b and c is not view.base
+    b_id = id(b)
+    del b, c
+    assert id(pool.empty((1 << 18,), f32)) == b_id  # dropped: handed out again
+    assert pool.empty((10,), f32).nbytes == 40 and pool._held == 2 << 20  # small: not pooled
+    pool.MAX_BYTES = 2 << 20
+    for _ in range(3):
+        pool.empty((1 << 19,), f32)  # 2 MiB each, over the cap: never kept
+    assert pool._held == 2 << 20
+
+
+def test_group_layout_pads_members_to_64_bytes():
+    from horolite.api.grouping import _layout
+    spans, total, gaps = _layout(((10,), (2, 3), (16,), (5,)), 4)
+    # float32: 16 elements per 64 bytes; no padding after the last member
+    assert [s.start for s, _ in spans] == [0, 16, 32, 48]
+    assert [s.stop - s.start for s, _ in spans] == [10, 6, 16, 5]
+    assert [shape for _, shape in spans] == [None, (2, 3), None, None]
+    assert gaps == (6, 10, 0, 0) and total == 53
+    # sizes that are already multiples of 64 bytes need no padding at all
+    assert _layout(((1024,), (1024,)), 4)[2] == ()
+    assert _layout(((3,), (5,)), 1)[0][1][0] == slice(64, 69)
