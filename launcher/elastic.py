@@ -285,5 +285,8 @@ def run_elastic(parsed, environ=None) -> int:
     except (ElasticFailure, RuntimeError, ValueError) as e:
         print(f"horolite-run: elastic job failed: {e}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:  # between two starts (during one, the supervisor handles it)
+        print("horolite-run: elastic job stopped by SIGINT", file=sys.stderr, flush=True)
+        return 130
     finally:
         driver.cleanup()

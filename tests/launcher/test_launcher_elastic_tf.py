@@ -57,3 +57,25 @@ def test_keras_fit_with_kerasstate_and_callbacks_resumes_at_the_committed_epoch(
             x, y = elastic_train.batch(s)
             w = w - elastic_train.LR * elastic_train.gradient(w, x, y)
     np.testing.assert_allclose(_finals(tmp_path, 2), w, rtol=1e-10)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_backup_and_restore_rank0_writes_every_rank_resumes_at_its_epoch(np_, run, tmp_path):
+    script = os.path.join(REPO, "tests", "launcher_rank", "backup_restore.py")
+    first = run("-np", np_, sys.executable, script, tmp_path, 1, "--interrupt-at", 3,
+                timeout=600)
+    assert first.returncode != 0 and "interrupted at epoch 3" in first.stderr
+    # Only rank 0 wrote a backup (each rank was given a directory of its own).
+    assert os.path.exists(tmp_path / "backup-0" / "latest.weights.h5")
+    assert not any(os.path.exists(tmp_path / f"backup-{r}") for r in range(1, np_))
+    second = run("-np", np_, sys.executable, script, tmp_path, 2, timeout=600)
+    assert second.returncode == 0, second.stderr[-4000:]
+    for r in range(np_):
+        assert (tmp_path / f"epochs.1.{r}").read_text().split() == ["0", "1", "2"]
+        assert (tmp_path / f"epochs.2.{r}").read_text().split() == ["3", "4", "5"]
+    w = np.zeros(elastic_train.DIM)
+    for _ in range(6):
+        for s in range(4):
+            x, y = elastic_train.batch(s)
+            w = w - elastic_train.LR * elastic_train.gradient(w, x, y)
+    np.testing.assert_allclose(_finals(tmp_path, np_), w, rtol=1e-10)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from . import keras_hooks
+from . import backup_restore, keras_hooks
 
 keras_hooks.check_keras_version()
 
@@ -88,6 +88,7 @@ class _DistributedMixin:
 
 
 keras_hooks.install(_DistributedMixin)
+backup_restore.install()
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
