@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -41,7 +42,8 @@ from .supervise import Supervisor, describe_exit
 
 __all__ = ["run_elastic", "ElasticFailure"]
 
-POLL_SECONDS = 1.0  # how often the pool is asked again (Horovod: every second)
+POLL_SECONDS = 1.0
+_SILENT = re.compile(r"no word from ((?:rank \d+ \(host [^)]+\)(?:, )?)+)")  # how often the pool is asked again (Horovod: every second)
 
 
 class ElasticFailure(RuntimeError):
@@ -118,18 +120,34 @@ class _Generation:
         if result.exit_code == 0:
             return _Outcome("reset" if protocol.RESET in events else "done", result,
                             why="the hosts changed")
-        statuses = sup.ranks.values()
-        failed = [s for s in statuses if s.signal and not s.stopped]
-        if not failed and sup.cause is not None and sup.cause[0] == "cause":
-            failed = [sup.ranks[sup.cause[1]]] if sup.cause[1] in sup.ranks else []
-        if not failed and sup.first_failure is not None:
-            failed = [sup.first_failure]
-        if not failed and sup.timed_out:
-            failed = [s for s in statuses if not s.started]
-        hosts = sorted({self.rank_hosts[s.rank] for s in failed if s.rank < len(self.rank_hosts)})
+        hosts, failed = self._blame()
         why = "; ".join(describe_exit(s) if s.started else f"rank {s.rank} did not start"
                         for s in failed[:4]) or result.message
         return _Outcome("failed", result, failed_hosts=hosts, why=why)
+
+    def _blame(self):
+        """(hosts, ranks) that made the job fail. Only the first failure counts: once one
+        rank is gone the others end too (lost-peer errors, SIGTERM, even a crash inside
+        MPI), and those are consequences, not failed hosts."""
+        sup = self.supervisor
+        first = sup.first_failure
+        if first is not None and first.signal:  # killed or crashed first
+            failed = [first]
+        elif sup.cause is not None and _SILENT.search(sup.cause[2]):
+            # A stall: the ranks that went silent (a link or host down) are to blame.
+            named = _SILENT.search(sup.cause[2]).group(1)
+            ranks = [int(r) for r in re.findall(r"rank (\d+) \(host", named)]
+            failed = [sup.ranks[r] for r in ranks if r in sup.ranks]
+        elif sup.cause is not None and sup.cause[1] in sup.ranks:
+            failed = [sup.ranks[sup.cause[1]]]
+        elif first is not None:
+            failed = [first]
+        elif sup.timed_out:
+            failed = [s for s in sup.ranks.values() if not s.started]
+        else:
+            failed = []
+        hosts = sorted({self.rank_hosts[s.rank] for s in failed if s.rank < len(self.rank_hosts)})
+        return hosts, failed
 
 
 def _hosts_text(hosts) -> str:
