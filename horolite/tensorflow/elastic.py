@@ -49,6 +49,13 @@ def _optimizer_variables(optimizer) -> list:
     return list(found() if callable(found) else found)  # Keras 2's method, Keras 3's property
 
 
+def _host_array(tensor) -> np.ndarray:
+    """The tensor's values as a NumPy array, without a copy where TensorFlow allows it
+    (a saved tensor is never changed, so a read-only view of it is safe to write out)."""
+    view = getattr(tensor, "_numpy", None)
+    return view() if view is not None else tensor.numpy()
+
+
 def _model_built(model) -> bool:
     return model.built if hasattr(model, "build") else True
 
@@ -112,8 +119,8 @@ class TensorFlowKerasState(ObjectState):
 
     def _durable_state(self):
         return dict(super()._durable_state(),
-                    model=[t.numpy() for t in self._saved_model_state],
-                    optimizer=[t.numpy() for t in self._saved_optimizer_state])
+                    model=[_host_array(t) for t in self._saved_model_state],
+                    optimizer=[_host_array(t) for t in self._saved_optimizer_state])
 
     def _load_durable(self, obj):
         saved_optimizer = obj["optimizer"]

@@ -13,8 +13,9 @@ def test_a_commit_round_trips_with_its_arrays(tmp_path):
     obj = {"objects": {"step": 7, "name": "x"}, "model": [np.arange(10.0), np.ones((3, 4), "f4")]}
     store = CommitStore(str(tmp_path / "h"), 3)
     size = store.write((4, 2), obj)
-    assert size == os.path.getsize(store.path)
-    with open(store.path, "rb") as f:
+    key, path = store.newest()
+    assert key == (4, 2) and size == os.path.getsize(path)
+    with open(path, "rb") as f:
         key, back = decode(f.read())
     assert key == (4, 2) and back["objects"] == obj["objects"]
     for a, b in zip(back["model"], obj["model"]):
@@ -27,15 +28,35 @@ def test_the_newest_key_of_the_host_wins(tmp_path):
     CommitStore(d, 1).write((5, 1), {"objects": {}})  # same count, later generation
     CommitStore(d, 2).write((4, 3), {"objects": {}})
     key, path = CommitStore(d, 9).newest()
-    assert key == (5, 1) and path.endswith("rank1.commit")
+    assert key == (5, 1) and path.endswith("rank1.commit.0")
     assert CommitStore(str(tmp_path / "empty"), 0).newest() == ((0, 0), None)
+
+
+def test_slots_alternate_and_a_torn_write_leaves_the_previous_commit(tmp_path):
+    store = CommitStore(str(tmp_path), 0)
+    for count in range(1, 5):
+        store.write((count, 0), {"objects": {"count": count}, "a": np.full(1000, count)})
+    key, path = store.newest()
+    assert key == (4, 0) and path.endswith(".commit.1")
+    other = store.paths[0]
+    assert read_key(other) == (3, 0)
+    # A rank killed in the middle of its next write: the header is gone first.
+    with open(other, "r+b") as f:
+        f.write(b"\0" * 6)
+        f.seek(200)
+        f.write(b"garbage")
+    assert store.newest() == ((4, 0), path)
+    with open(path, "rb") as f:
+        assert decode(f.read())[1]["objects"] == {"count": 4}
+    store.write((5, 1), {"objects": {"count": 5}})  # goes into the torn slot
+    assert store.newest()[0] == (5, 1) and read_key(path) == (4, 0)
 
 
 def test_a_torn_or_foreign_file_is_not_a_commit(tmp_path):
     pieces = b"".join(bytes(p) for p in encode((2, 0), {"objects": {"a": np.zeros(5)}}))
-    (tmp_path / "rank0.commit").write_bytes(pieces[:10])
-    (tmp_path / "rank1.commit").write_bytes(b"hello world, not a commit at all......")
-    assert read_key(str(tmp_path / "rank0.commit")) is None
+    (tmp_path / "rank0.commit.0").write_bytes(pieces[:10])
+    (tmp_path / "rank1.commit.0").write_bytes(b"hello world, not a commit at all......")
+    assert read_key(str(tmp_path / "rank0.commit.0")) is None
     assert CommitStore(str(tmp_path), 5).newest() == ((0, 0), None)
     with pytest.raises(ValueError, match="header says"):
         decode(pieces[:-3])
