@@ -84,6 +84,8 @@ def main(argv=None):
     else:
         subprocess.run(["ssh", host, "kill", "-9", pid], check=True, timeout=30)
     _wait_file(os.path.join(out, "steps.1.0"), job, 600)
+    while not _lines(os.path.join(out, "steps.1.0")):
+        time.sleep(0.01)
     first_step = float(_lines(os.path.join(out, "steps.1.0"))[0].split()[4])
     started = os.path.getmtime(os.path.join(out, "pid.1.0"))
     resumed = os.path.getmtime(os.path.join(out, "resumed.1.0"))

@@ -74,7 +74,10 @@ class _Generation:
         self.rank_hosts = hostlib.rank_hosts(hosts, num_proc)
         config = driver.base
         self.supervisor = Supervisor(argv, num_proc, self.rank_hosts,
-                                     start_timeout=config.start_timeout, fail_grace=1.0,
+                                     start_timeout=config.start_timeout,
+                                     # Nothing to save once a rank is gone (the commits
+                                     # are written): end the job quickly, restart sooner.
+                                     fail_grace=0.5, kill_grace=1.5,
                                      start_help=config.start_help,
                                      env=dict(os.environ, **dict(config.mpirun_env)),
                                      on_marker=self._on_marker)
