@@ -62,9 +62,20 @@ def _as_array(array, name: str, kind: Kind, rt=None) -> np.ndarray:
         # The kernels read native byte order: a big-endian array on this host is converted
         # (the values are the same), and the result comes back in native order.
         arr = arr.astype(arr.dtype.newbyteorder("="))
-    elif not (arr.flags.c_contiguous and arr.flags.aligned):
+    elif _needs_contiguous_copy(arr):
         arr = arr.copy(order="C")  # (np.ascontiguousarray would turn scalars into 1-d)
     return arr
+
+
+def _needs_contiguous_copy(arr) -> bool:
+    """Whether the kernels need a C-contiguous copy of `arr` (NumPy or CuPy).
+
+    CuPy's flags have no `aligned` (its allocator hands out aligned device
+    memory, and a view cannot be misaligned for its dtype): only contiguity is
+    asked of a device array.
+    """
+    flags = arr.flags
+    return not (flags.c_contiguous and getattr(flags, "aligned", True))
 
 
 # Native-order dtypes allreduce takes, by dtype object (the fast path's only check).

@@ -254,7 +254,13 @@ def _probe() -> Tuple[bool, str, int]:
     major, minor, patch = version // 10000, version // 100 % 100, version % 100
     if version < 10000:  # NCCL 2.8 and older encode x.y.z as x*1000 + y*100 + z
         major, minor, patch = version // 1000, version // 100 % 10, version % 100
-    return True, f"NCCL {major}.{minor}.{patch} with {count} CUDA device(s), CuPy {cupy.__version__}", count
+    try:
+        built = cupy.cuda.runtime.runtimeGetVersion()
+        built = f" (CUDA {built // 1000}.{built % 1000 // 10})"
+    except Exception:  # a CuPy without the runtime call: the wheel's name says it (cuda_info)
+        built = ""
+    return True, (f"NCCL {major}.{minor}.{patch} with {count} CUDA device(s), "
+                  f"CuPy {cupy.__version__}{built}"), count
 
 
 def nccl_status() -> Tuple[bool, str]:
