@@ -301,13 +301,21 @@ def alltoall_async(array, splits=None, name: Optional[str] = None,
         rows = np.full(n, arr.shape[0] // n, dtype=np.int64)
         transform = lambda result: result[0]
     else:
-        rows = np.asarray(splits, dtype=np.int64).reshape(-1)
+        rows = _host_splits(splits)
         if rows.size != n or (rows < 0).any() or int(rows.sum()) != arr.shape[0]:
             raise InvalidCollectiveError(
                 f"tensor '{name}': splits {rows.tolist()} must have {n} non-negative entries "
                 f"summing to the first dimension {arr.shape[0]}")
         transform = None
     return _submit(Kind.ALLTOALL, arr, name, transform=transform, splits=rows, rt=rt)
+
+
+def _host_splits(splits) -> np.ndarray:
+    """alltoall's splits as host int64: they are metadata, even when they come in device
+    memory (a CuPy array refuses np.asarray; TensorFlow GPU splits arrive as one)."""
+    if _device.is_device_array(splits):
+        splits = (splits if hasattr(splits, "get") else _device.as_cupy(splits)).get()
+    return np.asarray(splits, dtype=np.int64).reshape(-1)
 
 
 def alltoall(array, splits=None, name: Optional[str] = None, process_set=global_process_set):

@@ -35,8 +35,7 @@ from .config import env_value
 from ..errors import InvalidCollectiveError
 
 __all__ = ["CPU", "CUDA", "is_device_array", "device_kind", "device_string", "as_cupy",
-           "device_input", "record_ready", "select_device", "device_for_rank", "parse_device_override", "nccl_status", "cuda_device_count",
-           "tf_to_cupy", "cupy_to_tf"]
+           "device_input", "record_ready", "select_device", "device_for_rank", "parse_device_override", "nccl_status", "cuda_device_count"]
 
 CPU = "cpu"
 CUDA = "cuda"
@@ -126,9 +125,26 @@ def _from_dlpack(cupy, obj):
         # Producers that refuse the handshake (TensorFlow: "does not support DLPack export
         # with a non-None stream"): take the plain capsule and wait for the whole device.
         array = cupy.from_dlpack(obj.__dlpack__())
+        if array.nbytes:
+            # TensorFlow writes its own (logical) GPU index into the capsule: ask the
+            # driver which device the memory is really on (tf_dlpack.py says why).
+            actual = cupy.cuda.runtime.pointerGetAttributes(array.data.ptr).device
+            if actual != array.device.id:
+                array = relabelled(cupy, array, actual)
         with array.device:
             cupy.cuda.runtime.deviceSynchronize()
         return array
+
+
+def relabelled(cupy, array, device_id: int):
+    """A view of `array`'s memory that says it is on `device_id` (keeps `array` alive).
+
+    For DLPack producers whose device id is not the CUDA ordinal (TensorFlow's
+    logical GPU index), in either direction.
+    """
+    memory = cupy.cuda.UnownedMemory(array.data.ptr, array.nbytes, array, device_id)
+    return cupy.ndarray(array.shape, array.dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        strides=array.strides)
 
 
 def device_input(obj, name: str, rt):
@@ -284,37 +300,3 @@ def cuda_device_count() -> int:
     """Visible CUDA devices (0 when there is no usable driver or no CuPy)."""
     nccl_status()
     return _device_count or 0
-
-
-# ---- TensorFlow <-> CuPy, for the TensorFlow adapter ----
-def tf_to_cupy(tensor, synchronize: bool = True):
-    """A CuPy array sharing a TensorFlow GPU tensor's memory (through DLPack, no copy).
-
-    TensorFlow runs GPU work on its own streams, which CuPy's streams know
-    nothing about; with `synchronize` (the default) the tensor's device is
-    synchronized first so the data is complete before horolite reads it. Pass
-    False only when the caller has made sure of that itself.
-    """
-    where = _dlpack_device(tensor)
-    if where is None or where[0] not in _DLPACK_CUDA:
-        raise ValueError(f"tf_to_cupy needs a tensor in GPU memory; this one is on "
-                         f"{getattr(tensor, 'device', where)} (use tensor.numpy() for host tensors)")
-    import tensorflow as tf
-    cupy = _cupy()
-    capsule = tf.experimental.dlpack.to_dlpack(tensor)
-    array = cupy.from_dlpack(capsule)
-    if synchronize:
-        with cupy.cuda.Device(array.device.id):
-            cupy.cuda.runtime.deviceSynchronize()
-    return array
-
-
-def cupy_to_tf(array):
-    """A TensorFlow tensor sharing a CuPy array's memory (through DLPack, no copy).
-
-    horolite completes a device collective only after its stream has finished,
-    so a result handed back this way is ready for TensorFlow to read.
-    """
-    import tensorflow as tf
-    capsule = array.toDlpack() if hasattr(array, "toDlpack") else array.__dlpack__()
-    return tf.experimental.dlpack.from_dlpack(capsule)

@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # annotations only: importing mpi4py.MPI would start MPI
     from mpi4py import MPI
 
 __all__ = ["NCCL_UNIQUE_ID_BYTES", "exchange_unique_id", "unique_id_to_bytes", "NCCLTransport",
-           "create_nccl_transport", "decide_nccl", "device_scale", "device_copy", "RS_AG_MIN_BYTES"]
+           "create_nccl_transport", "decide_nccl", "device_scale", "device_copy", "RS_AG_MIN_BYTES",
+           "SHARED_GPU_TEST_SWITCH", "shared_gpu_test_switch", "shared_gpu_host_id"]
 
 _log = logging.getLogger("horolite.nccl")
 
@@ -318,11 +319,30 @@ def _gpu_identity(device_id: int) -> str:
         return f"ordinal {device_id} of CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}"
 
 
-def decide_nccl(answers: Sequence[Tuple[bool, str, str, str]]) -> Tuple[bool, str]:
+# Test-only (never a user setting, so not in core/settings.py): ranks that share a GPU
+# use NCCL anyway, each rank given its own NCCL_HOSTID so NCCL takes them for ranks on
+# different hosts (its socket transport between them) instead of refusing a duplicate
+# GPU. It lets one GPU run the multi-rank NCCL matrix; its speed means nothing.
+SHARED_GPU_TEST_SWITCH = "HOROLITE_TEST_NCCL_SHARED_GPU"
+
+
+def shared_gpu_test_switch(environ=os.environ) -> bool:
+    """Whether this rank was started with the test-only shared-GPU switch on ("1")."""
+    return environ.get(SHARED_GPU_TEST_SWITCH, "").strip() == "1"
+
+
+def shared_gpu_host_id(host: str, world_rank: int) -> str:
+    """The NCCL_HOSTID a rank takes under the test switch: its own, the same for all its sets."""
+    return f"horolite-test-{host}-rank{world_rank}"
+
+
+def decide_nccl(answers: Sequence[Tuple[bool, str, str, str]],
+                allow_shared: bool = False) -> Tuple[bool, str]:
     """Whether the job uses NCCL, from every rank's (ok, reason, host, GPU identity).
 
     Pure, and run on every rank with the same answers, so all ranks agree. NCCL
-    needs every rank to have a GPU, and one GPU per rank.
+    needs every rank to have a GPU, and one GPU per rank (unless `allow_shared`,
+    the test switch, which every rank must have had on).
     """
     missing = [(r, why) for r, (good, why, _, _) in enumerate(answers) if not good]
     if missing and len(missing) == len(answers):
@@ -336,6 +356,8 @@ def decide_nccl(answers: Sequence[Tuple[bool, str, str, str]]) -> Tuple[bool, st
     for r, (_, _, host, gpu) in enumerate(answers):
         sharing.setdefault((host, gpu), []).append(r)
     shared = [(host, gpu, ranks) for (host, gpu), ranks in sharing.items() if len(ranks) > 1]
+    if shared and allow_shared:
+        return True, f"{answers[0][1]} (test switch: ranks share a GPU, one NCCL host id each)"
     if shared:
         host, gpu, ranks = shared[0]
         return False, (f"ranks {', '.join(map(str, ranks))} on {host} would share one GPU ({gpu}); "
@@ -361,13 +383,21 @@ def create_nccl_transport(comm: "MPI.Comm", local_rank: int) -> Tuple[Optional[N
         except ValueError as exc:
             ok, reason = False, str(exc)
     from mpi4py import MPI
-    answers = comm.allgather((ok, reason, MPI.Get_processor_name(), gpu))
-    go, why = decide_nccl(answers)
+    host = MPI.Get_processor_name()
+    gathered = comm.allgather(((ok, reason, host, gpu), shared_gpu_test_switch()))
+    answers = [answer for answer, _ in gathered]
+    allow_shared = all(switch for _, switch in gathered)
+    go, why = decide_nccl(answers, allow_shared)
     if not go:
         if comm.Get_rank() == 0 and any(answer[0] for answer in answers):
             # Some rank has a GPU, so someone may expect NCCL: say why it is off.
             _log.warning("NCCL is off for this job: %s; device arrays will be refused", why)
         return None, why
+    if allow_shared:
+        # Before this process's first communicator: NCCL reads it at set-up.
+        os.environ["NCCL_HOSTID"] = shared_gpu_host_id(host, MPI.COMM_WORLD.Get_rank())
+        _log.warning("test switch %s=1: NCCL host id %s", SHARED_GPU_TEST_SWITCH,
+                     os.environ["NCCL_HOSTID"])
     try:
         transport = NCCLTransport(comm, device_id)
     except Exception as exc:

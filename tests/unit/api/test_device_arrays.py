@@ -55,3 +55,21 @@ def test_as_array_takes_a_device_array(monkeypatch, contiguous):
     assert isinstance(got, DeviceArrayLike)
     assert (got is given) == contiguous
     assert given.copied == (None if contiguous else "C")
+
+
+class DeviceSplits:
+    """Splits in device memory: refuses implicit host conversion, as CuPy does."""
+    __cuda_array_interface__ = {"shape": (3,), "typestr": "<i8", "data": (0, False), "version": 3}
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed")
+
+    def get(self):
+        return np.array([2, 0, 1], dtype=np.int64)
+
+
+def test_alltoall_splits_in_device_memory_come_to_the_host():
+    assert collectives._host_splits(DeviceSplits()).tolist() == [2, 0, 1]
+    assert collectives._host_splits([[1], [2]]).tolist() == [1, 2]
+    with pytest.raises(TypeError, match="Implicit conversion"):
+        np.asarray(DeviceSplits(), dtype=np.int64)  # what the old code did

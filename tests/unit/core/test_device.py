@@ -164,6 +164,30 @@ def test_decide_nccl_one_gpu_per_rank():
     assert why.startswith("ranks 0, 2 on a would share one GPU (0:1); NCCL needs one GPU per rank")
 
 
+def test_shared_gpu_test_switch_lets_ranks_share_one_gpu():
+    """Test-only: ranks on one GPU use NCCL anyway, each with its own NCCL host id."""
+    def gpu(host, bus):
+        return (True, "NCCL 2.28.9 with 1 CUDA device(s)", host, bus)
+    one_gpu = [gpu("vm", "0:1")] * 4
+    go, why = nccl_mod.decide_nccl(one_gpu, allow_shared=True)
+    assert go and why == "NCCL 2.28.9 with 1 CUDA device(s) (test switch: ranks share a GPU, " \
+        "one NCCL host id each)"
+    assert nccl_mod.decide_nccl(one_gpu)[0] is False  # the default: refused
+    # The switch never makes NCCL out of a rank without a GPU.
+    none = (False, "no CUDA device: 0 devices", "vm", "")
+    assert nccl_mod.decide_nccl([gpu("vm", "0:1"), none], allow_shared=True)[0] is False
+    ids = {nccl_mod.shared_gpu_host_id("vm", r) for r in range(4)}
+    assert len(ids) == 4 and nccl_mod.shared_gpu_host_id("vm", 2) == "horolite-test-vm-rank2"
+
+
+@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True),
+                                      ("yes", False)])
+def test_shared_gpu_test_switch_is_exactly_1(value, on):
+    env = {} if value is None else {nccl_mod.SHARED_GPU_TEST_SWITCH: value}
+    assert nccl_mod.shared_gpu_test_switch(env) is on
+    assert nccl_mod.SHARED_GPU_TEST_SWITCH == "HOROLITE_TEST_NCCL_SHARED_GPU"
+
+
 # ---- nccl_status and imports ----
 def _python(code):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
