@@ -16,6 +16,7 @@ import numpy as np
 from ..coordination.quorum import check_quorum
 from ..coordination.tensor_queue import Entry
 from ..core import device as _device
+from ..core import staging
 from ..core.handle import Handle
 from ..core.messages import JOIN_NAME, Kind, Request
 from ..core.ops import MOVABLE_DTYPES, REDUCIBLE_DTYPES, Average, ReduceOp, dtype_name
@@ -116,8 +117,15 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
         request = Request(name, kind, "", (), **fields)
     else:
         if array.__class__ is not np.ndarray and not isinstance(array, np.ndarray):
-            fields.setdefault("device", _device.CUDA)  # a CuPy array from _as_array: GPU path
-            ready = _device.record_ready(array)
+            # A CuPy array from _as_array: over NCCL, or through host memory when NCCL is off.
+            route, why = staging.device_route(rt.nccl is not None, getattr(rt, "nccl_reason", ""))
+            if route == staging.NCCL:
+                fields.setdefault("device", _device.CUDA)
+                ready = _device.record_ready(array)
+            else:
+                staging.warn_once(why)
+                transform = staging.returning_on(array.device.id, transform)
+                array = staging.to_pinned_host(array)
         request = Request(name, kind, dtype_name(array.dtype), array.shape, **fields)
     handle = (SetHandle(name, transform, rt.set_label) if rt.set_label else
               Handle(name, transform))

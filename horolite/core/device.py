@@ -150,16 +150,16 @@ def relabelled(cupy, array, device_id: int):
 def device_input(obj, name: str, rt):
     """The CuPy array a collective works on, after checking it can go over NCCL on this rank.
 
-    `rt` is the Runtime: its `nccl` transport (None when NCCL is off, with the
-    reason in `nccl_reason`) says which device this rank uses.
+    `rt` is the Runtime: its `nccl` transport says which device this rank uses;
+    when it is None (NCCL off, the reason in `nccl_reason`) any device will do,
+    as the array is then staged through host memory.
     """
     transport = getattr(rt, "nccl", None)
-    if transport is None:
-        raise InvalidCollectiveError(
-            f"tensor '{name}' is on {device_string(obj)} but horolite has no NCCL transport on "
-            f"this rank ({getattr(rt, 'nccl_reason', 'not set up')}); pass a host array instead")
     array = as_cupy(obj)
-    if array.device.id != transport.device_id:
+    if transport is None:
+        # NCCL is off for the job: the collective stages it through host memory (staging.py).
+        pass
+    elif array.device.id != transport.device_id:
         raise InvalidCollectiveError(
             f"tensor '{name}' is on cuda:{array.device.id} but this rank's NCCL communicator "
             f"uses cuda:{transport.device_id} (chosen from the local rank, or by "

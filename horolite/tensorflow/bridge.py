@@ -218,9 +218,11 @@ def _device_ops(dtypes: Sequence[tf.DType]) -> bool:
     """Eagerly: NCCL is up (each tensor is then routed by where its memory is). In a
     graph: gpu_route.device_ops, so ops that can only see host memory keep the host
     ops (the native wait op included)."""
+    if not _nccl_active():
+        return False  # (the host path: nothing more to ask)
     if tf.executing_eagerly():
-        return _nccl_active()
-    return gpu_route.device_ops(_nccl_active(), _tf_gpu_count(), [d.name for d in dtypes])
+        return True
+    return gpu_route.device_ops(True, _tf_gpu_count(), [d.name for d in dtypes])
 
 
 _tf_gpus: List[int] = []

@@ -391,7 +391,7 @@ def create_nccl_transport(comm: "MPI.Comm", local_rank: int) -> Tuple[Optional[N
     if not go:
         if comm.Get_rank() == 0 and any(answer[0] for answer in answers):
             # Some rank has a GPU, so someone may expect NCCL: say why it is off.
-            _log.warning("NCCL is off for this job: %s; device arrays will be refused", why)
+            _log.warning("NCCL is off for this job: %s; device arrays are staged through host memory", why)
         return None, why
     if allow_shared:
         # Before this process's first communicator: NCCL reads it at set-up.
