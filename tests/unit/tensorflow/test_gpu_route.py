@@ -141,7 +141,7 @@ class FakeCupy(types.ModuleType):
 
         class Device:
             def __init__(self, index):
-                self.index = index
+                self.index = self.id = index
 
             def __enter__(self):
                 self.prev, fake.current = fake.current, self.index
@@ -154,19 +154,31 @@ class FakeCupy(types.ModuleType):
                 fake.log.append(("stream sync", fake.current))
 
         runtime = types.SimpleNamespace(
-            deviceSynchronize=lambda: fake.log.append(("device sync", fake.current)))
+            deviceSynchronize=lambda: fake.log.append(("device sync", fake.current)),
+            pointerGetAttributes=lambda ptr: types.SimpleNamespace(device=fake.memory_on))
         self.cuda = types.SimpleNamespace(
             Device=Device, runtime=runtime, get_current_stream=lambda: Stream(),
             UnownedMemory=lambda ptr, size, owner, device_id: types.SimpleNamespace(
                 ptr=ptr, size=size, owner=owner, device_id=device_id),
             MemoryPointer=lambda mem, offset: types.SimpleNamespace(mem=mem, offset=offset))
 
+    memory_on = 0  # the device the driver says a pointer is on
+
     def from_dlpack(self, capsule):
+        if not isinstance(capsule, tuple):  # a producer refusing the stream handshake
+            raise RuntimeError("TensorFlow does not support DLPack export with a non-None stream")
         _, device_id = capsule
         return FakeArray(self, device_id)
 
-    def ndarray(self, shape, dtype, memptr, strides=None):
-        return FakeArray(self, memptr.mem.device_id, shape, dtype, memptr.mem.ptr, memptr.mem.owner)
+    @property
+    def ndarray(self):
+        """A type (as_cupy asks isinstance) whose construction is CuPy's view over memory."""
+        fake = self
+
+        def new(cls, shape, dtype, memptr, strides=None):
+            mem = memptr.mem
+            return FakeArray(fake, mem.device_id, shape, dtype, mem.ptr, mem.owner)
+        return type("ndarray", (), {"__new__": new})
 
     def empty(self, shape, dtype):
         return FakeArray(self, self.current, shape, dtype)
@@ -174,7 +186,7 @@ class FakeCupy(types.ModuleType):
 
 class FakeArray:
     def __init__(self, cp, device_id, shape=(4,), dtype=np.float32, ptr=0x7000, owner=None):
-        self.cp, self.device = cp, types.SimpleNamespace(id=device_id)
+        self.cp, self.device = cp, cp.cuda.Device(device_id)
         self.shape, self.dtype, self.owner = shape, np.dtype(dtype), owner
         self.size = int(np.prod(shape))
         self.nbytes, self.strides = self.size * self.dtype.itemsize, (self.dtype.itemsize,)
@@ -211,6 +223,21 @@ def test_cupy_to_tf_exports_tensorflows_index(cupy):
     result = FakeArray(cupy, 1)
     assert tf_dlpack.cupy_to_tf(result, ordinals=(1,)) == ("capsule of", 0)
     assert tf_dlpack.cupy_to_tf(result, ordinals=(0, 1)) == ("capsule of", 1)
+
+
+def test_eager_tensor_given_to_the_numpy_api_lands_on_its_real_device(cupy):
+    """hvd.allreduce(tf_gpu_tensor): TF refuses the handshake and writes its own index into the
+    capsule; the driver's answer for the pointer is the device used."""
+    from horolite.core import device
+
+    class Exporter(FakeTensor):
+        def __dlpack__(self):
+            return ("tf capsule", 0)
+    cupy.memory_on = 1
+    array = device.as_cupy(Exporter(dlpack=(2, 0)))
+    assert array.device.id == 1 and cupy.log == [("device sync", 1)]
+    cupy.memory_on, cupy.log[:] = 0, []
+    assert device.as_cupy(Exporter(dlpack=(2, 0))).device.id == 0
 
 
 def test_input_copy_is_made_on_the_tensors_gpu_and_finished(cupy, monkeypatch):
