@@ -118,7 +118,8 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
     else:
         if array.__class__ is not np.ndarray and not isinstance(array, np.ndarray):
             # A CuPy array from _as_array: over NCCL, or through host memory when NCCL is off.
-            route, why = staging.device_route(rt.nccl is not None, getattr(rt, "nccl_reason", ""))
+            route, why = staging.device_route(getattr(rt, "nccl", None) is not None,
+                                              getattr(rt, "nccl_reason", ""))
             if route == staging.NCCL:
                 fields.setdefault("device", _device.CUDA)
                 ready = _device.record_ready(array)

@@ -57,6 +57,11 @@ def tf_index_of(ordinal: int, ordinals: Sequence[int]) -> int:
                          f"devices {sorted(set(ordinals))}; tf.config.set_visible_devices)") from None
 
 
+# Results handed to TensorFlow, kept alive until a later device synchronization.
+_handed: list = []
+_HANDED_LIMIT = 4096
+_handed_lock = threading.Lock()
+
 _ordinals_lock = threading.Lock()
 _ordinals: Optional[Tuple[int, ...]] = None
 
@@ -89,6 +94,7 @@ def tf_to_cupy(tensor, synchronize: bool = True, ordinals: Optional[Sequence[int
     import tensorflow as tf
     cupy = _cupy()
     ordinal = ordinal_of(where[1], tf_gpu_ordinals() if ordinals is None else ordinals)
+    handed_before = len(_handed)
     array = cupy.from_dlpack(tf.experimental.dlpack.to_dlpack(tensor))
     if array.device.id != ordinal:
         if array.size == 0:
@@ -98,6 +104,10 @@ def tf_to_cupy(tensor, synchronize: bool = True, ordinals: Optional[Sequence[int
     if synchronize:
         with cupy.cuda.Device(ordinal):
             cupy.cuda.runtime.deviceSynchronize()
+        # Every TensorFlow kernel enqueued before this sync has run: results handed to
+        # TensorFlow before it can go back to CuPy's pool (see cupy_to_tf).
+        with _handed_lock:
+            del _handed[:handed_before]
     return array
 
 
@@ -110,6 +120,15 @@ def cupy_to_tf(array, ordinals: Optional[Sequence[int]] = None):
     """
     import tensorflow as tf
     cupy = _cupy()
+    # TensorFlow drops its reference once the kernels reading the result are *enqueued*,
+    # and CuPy would then reuse the memory on its own stream, unordered against
+    # TensorFlow's: keep the array until the next device synchronization (tf_to_cupy).
+    with _handed_lock:
+        _handed.append(array)
+        if len(_handed) > _HANDED_LIMIT:  # no input conversion for a long while: sync here
+            with cupy.cuda.Device(array.device.id):
+                cupy.cuda.runtime.deviceSynchronize()
+            del _handed[:-1]
     tf_index = tf_index_of(array.device.id, tf_gpu_ordinals() if ordinals is None else ordinals)
     if tf_index != array.device.id:
         if array.size == 0:

@@ -240,6 +240,25 @@ def test_eager_tensor_given_to_the_numpy_api_lands_on_its_real_device(cupy):
     assert device.as_cupy(Exporter(dlpack=(2, 0))).device.id == 0
 
 
+def test_results_stay_alive_until_the_next_device_sync(cupy, monkeypatch):
+    """TensorFlow may still be reading a result when it drops it: CuPy must not reuse it."""
+    monkeypatch.setattr(tf_dlpack, "_handed", [])
+    first, second = FakeArray(cupy, 0), FakeArray(cupy, 0)
+    tf_dlpack.cupy_to_tf(first, ordinals=(0,))
+    tf_dlpack.cupy_to_tf(second, ordinals=(0,))
+    assert tf_dlpack._handed == [first, second]
+    tf_dlpack.tf_to_cupy(FakeTensor(dlpack=(2, 0)), ordinals=(0,))  # synchronizes the device
+    assert tf_dlpack._handed == []
+    tf_dlpack.tf_to_cupy(FakeTensor(dlpack=(2, 0)), ordinals=(0,), synchronize=False)
+    tf_dlpack.cupy_to_tf(first, ordinals=(0,))
+    tf_dlpack.tf_to_cupy(FakeTensor(dlpack=(2, 0)), ordinals=(0,), synchronize=False)
+    assert tf_dlpack._handed == [first]  # no sync, nothing released
+    monkeypatch.setattr(tf_dlpack, "_HANDED_LIMIT", 2)
+    tf_dlpack.cupy_to_tf(second, ordinals=(0,))
+    tf_dlpack.cupy_to_tf(second, ordinals=(0,))
+    assert len(tf_dlpack._handed) == 1 and cupy.log[-1] == ("device sync", 0)
+
+
 def test_input_copy_is_made_on_the_tensors_gpu_and_finished(cupy, monkeypatch):
     monkeypatch.setattr(tf_dlpack, "_ordinals", (0, 1))
     out = gpu_route.to_device_array(FakeTensor(dlpack=(2, 1)))
