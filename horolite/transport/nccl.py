@@ -374,6 +374,13 @@ def create_nccl_transport(comm: "MPI.Comm", local_rank: int) -> Tuple[Optional[N
     all (decide_nccl), so every rank takes the same branch and neither the id
     exchange nor NCCL's communicator set-up waits for a rank that is not coming.
     """
+    from mpi4py import MPI
+    host = MPI.Get_processor_name()
+    switch = shared_gpu_test_switch()
+    if switch:
+        # Before this process's first NCCL call that could read it (NCCL may keep its host
+        # hash once computed); a rank id of its own makes NCCL see the ranks as hosts.
+        os.environ["NCCL_HOSTID"] = shared_gpu_host_id(host, MPI.COMM_WORLD.Get_rank())
     ok, reason = device_mod.nccl_status()
     device_id, gpu = -1, ""
     if ok:
@@ -382,20 +389,17 @@ def create_nccl_transport(comm: "MPI.Comm", local_rank: int) -> Tuple[Optional[N
             gpu = _gpu_identity(device_id)
         except ValueError as exc:
             ok, reason = False, str(exc)
-    from mpi4py import MPI
-    host = MPI.Get_processor_name()
-    gathered = comm.allgather(((ok, reason, host, gpu), shared_gpu_test_switch()))
+    gathered = comm.allgather(((ok, reason, host, gpu), switch))
     answers = [answer for answer, _ in gathered]
-    allow_shared = all(switch for _, switch in gathered)
+    allow_shared = all(on for _, on in gathered)
     go, why = decide_nccl(answers, allow_shared)
     if not go:
         if comm.Get_rank() == 0 and any(answer[0] for answer in answers):
             # Some rank has a GPU, so someone may expect NCCL: say why it is off.
-            _log.warning("NCCL is off for this job: %s; device arrays are staged through host memory", why)
+            _log.warning("NCCL is off for this job: %s; device arrays are staged through host "
+                         "memory", why)
         return None, why
     if allow_shared:
-        # Before this process's first communicator: NCCL reads it at set-up.
-        os.environ["NCCL_HOSTID"] = shared_gpu_host_id(host, MPI.COMM_WORLD.Get_rank())
         _log.warning("test switch %s=1: NCCL host id %s", SHARED_GPU_TEST_SWITCH,
                      os.environ["NCCL_HOSTID"])
     try:
