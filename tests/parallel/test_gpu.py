@@ -340,11 +340,19 @@ def test_user_stream_work_is_waited_for():
     assert float(got[0]) == float(got[-1]) == SIZE * (SIZE + 1) / 2
 
 
+def tensorflow_with_a_gpu():
+    """TensorFlow, where it is installed and sees a GPU; else skip saying what is not covered."""
+    tf = pytest.importorskip(
+        "tensorflow", reason="TensorFlow is not installed here (a GPU build needs CUDA 12 "
+        "libraries): the route after its DLPack handoff is the CuPy path tested above")
+    if not tf.config.list_physical_devices("GPU"):
+        pytest.skip("TensorFlow sees no GPU (a CPU build?): its GPU route is not covered here")
+    return tf
+
+
 @needs_nccl
 def test_tensorflow_gpu_tensor_round_trip():
-    tf = pytest.importorskip("tensorflow")
-    if not tf.config.list_physical_devices("GPU"):
-        pytest.skip("TensorFlow sees no GPU")
+    tf = tensorflow_with_a_gpu()
     with tf.device(f"/GPU:{RT.nccl.device_id}"):
         t = tf.fill([4], float(RANK + 1))
     out = device.cupy_to_tf(hvd.allreduce(device.tf_to_cupy(t), op=hvd.Sum, name="gpu.tf"))
@@ -357,9 +365,7 @@ def test_tensorflow_gpu_tensor_round_trip():
 @needs_nccl
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_tensorflow_adapter_keeps_gpu_tensors_on_the_gpu(mode, monkeypatch):
-    tf = pytest.importorskip("tensorflow")
-    if not tf.config.list_physical_devices("GPU"):
-        pytest.skip("TensorFlow sees no GPU")
+    tf = tensorflow_with_a_gpu()
     import cupy
     import horolite.tensorflow as hvd_tf
     from horolite.tensorflow import bridge
