@@ -63,20 +63,9 @@ def _as_array(array, name: str, kind: Kind, rt=None) -> np.ndarray:
         # The kernels read native byte order: a big-endian array on this host is converted
         # (the values are the same), and the result comes back in native order.
         arr = arr.astype(arr.dtype.newbyteorder("="))
-    elif _needs_contiguous_copy(arr):
+    elif _device.needs_contiguous_copy(arr):
         arr = arr.copy(order="C")  # (np.ascontiguousarray would turn scalars into 1-d)
     return arr
-
-
-def _needs_contiguous_copy(arr) -> bool:
-    """Whether the kernels need a C-contiguous copy of `arr` (NumPy or CuPy).
-
-    CuPy's flags have no `aligned` (its allocator hands out aligned device
-    memory, and a view cannot be misaligned for its dtype): only contiguity is
-    asked of a device array.
-    """
-    flags = arr.flags
-    return not (flags.c_contiguous and getattr(flags, "aligned", True))
 
 
 # Native-order dtypes allreduce takes, by dtype object (the fast path's only check).
@@ -310,21 +299,13 @@ def alltoall_async(array, splits=None, name: Optional[str] = None,
         rows = np.full(n, arr.shape[0] // n, dtype=np.int64)
         transform = lambda result: result[0]
     else:
-        rows = _host_splits(splits)
+        rows = _device.host_ints(splits)
         if rows.size != n or (rows < 0).any() or int(rows.sum()) != arr.shape[0]:
             raise InvalidCollectiveError(
                 f"tensor '{name}': splits {rows.tolist()} must have {n} non-negative entries "
                 f"summing to the first dimension {arr.shape[0]}")
         transform = None
     return _submit(Kind.ALLTOALL, arr, name, transform=transform, splits=rows, rt=rt)
-
-
-def _host_splits(splits) -> np.ndarray:
-    """alltoall's splits as host int64: they are metadata, even when they come in device
-    memory (a CuPy array refuses np.asarray; TensorFlow GPU splits arrive as one)."""
-    if _device.is_device_array(splits):
-        splits = (splits if hasattr(splits, "get") else _device.as_cupy(splits)).get()
-    return np.asarray(splits, dtype=np.int64).reshape(-1)
 
 
 def alltoall(array, splits=None, name: Optional[str] = None, process_set=global_process_set):

@@ -35,7 +35,7 @@ from .config import env_value
 from ..errors import InvalidCollectiveError
 
 __all__ = ["CPU", "CUDA", "is_device_array", "device_kind", "device_string", "as_cupy",
-           "device_input", "record_ready", "select_device", "device_for_rank", "parse_device_override", "nccl_status", "cuda_device_count"]
+           "device_input", "record_ready", "needs_contiguous_copy", "host_ints", "select_device", "device_for_rank", "parse_device_override", "nccl_status", "cuda_device_count"]
 
 CPU = "cpu"
 CUDA = "cuda"
@@ -177,6 +177,25 @@ def record_ready(array):
         event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
         event.record(cupy.cuda.get_current_stream())
     return event
+
+
+def needs_contiguous_copy(arr) -> bool:
+    """Whether the kernels need a C-contiguous copy of `arr` (NumPy or CuPy).
+
+    CuPy's flags have no `aligned` (its allocator hands out aligned device
+    memory, and a view cannot be misaligned for its dtype): only contiguity is
+    asked of a device array.
+    """
+    flags = arr.flags
+    return not (flags.c_contiguous and getattr(flags, "aligned", True))
+
+
+def host_ints(values) -> np.ndarray:
+    """Integer metadata (alltoall's splits) as host int64, also from device memory (a CuPy
+    array refuses np.asarray; TensorFlow GPU splits arrive as one)."""
+    if is_device_array(values):
+        values = (values if hasattr(values, "get") else as_cupy(values)).get()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 # ---- device selection ----

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..core import device as device_mod
 from ..core.ops import ReduceOp
+from .shared_gpu_switch import SHARED_GPU_TEST_SWITCH, shared_gpu_host_id, shared_gpu_test_switch
 
 if TYPE_CHECKING:  # annotations only: importing mpi4py.MPI would start MPI
     from mpi4py import MPI
@@ -317,23 +318,6 @@ def _gpu_identity(device_id: int) -> str:
         return cupy.cuda.runtime.deviceGetPCIBusId(device_id)
     except Exception:
         return f"ordinal {device_id} of CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}"
-
-
-# Test-only (never a user setting, so not in core/settings.py): ranks that share a GPU
-# use NCCL anyway, each rank given its own NCCL_HOSTID so NCCL takes them for ranks on
-# different hosts (its socket transport between them) instead of refusing a duplicate
-# GPU. It lets one GPU run the multi-rank NCCL matrix; its speed means nothing.
-SHARED_GPU_TEST_SWITCH = "HOROLITE_TEST_NCCL_SHARED_GPU"
-
-
-def shared_gpu_test_switch(environ=os.environ) -> bool:
-    """Whether this rank was started with the test-only shared-GPU switch on ("1")."""
-    return environ.get(SHARED_GPU_TEST_SWITCH, "").strip() == "1"
-
-
-def shared_gpu_host_id(host: str, world_rank: int) -> str:
-    """The NCCL_HOSTID a rank takes under the test switch: its own, the same for all its sets."""
-    return f"horolite-test-{host}-rank{world_rank}"
 
 
 def decide_nccl(answers: Sequence[Tuple[bool, str, str, str]],

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from horolite.api import collectives
+from horolite.core import device
 from horolite.core.messages import Kind
 
 
@@ -35,15 +36,15 @@ class DeviceArrayLike:
 
 
 def test_numpy_needs_a_copy_when_strided_or_misaligned():
-    assert not collectives._needs_contiguous_copy(np.ones(4))
-    assert collectives._needs_contiguous_copy(np.ones(8)[::2])
+    assert not device.needs_contiguous_copy(np.ones(4))
+    assert device.needs_contiguous_copy(np.ones(8)[::2])
     raw = np.zeros(4 * 4 + 1, np.uint8)[1:].view(np.float32)  # misaligned by one byte
-    assert not raw.flags.aligned and collectives._needs_contiguous_copy(raw)
+    assert not raw.flags.aligned and device.needs_contiguous_copy(raw)
 
 
 def test_cupy_flags_without_aligned_are_read():
-    assert not collectives._needs_contiguous_copy(DeviceArrayLike(True))
-    assert collectives._needs_contiguous_copy(DeviceArrayLike(False))
+    assert not device.needs_contiguous_copy(DeviceArrayLike(True))
+    assert device.needs_contiguous_copy(DeviceArrayLike(False))
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
@@ -69,7 +70,7 @@ class DeviceSplits:
 
 
 def test_alltoall_splits_in_device_memory_come_to_the_host():
-    assert collectives._host_splits(DeviceSplits()).tolist() == [2, 0, 1]
-    assert collectives._host_splits([[1], [2]]).tolist() == [1, 2]
+    assert device.host_ints(DeviceSplits()).tolist() == [2, 0, 1]
+    assert device.host_ints([[1], [2]]).tolist() == [1, 2]
     with pytest.raises(TypeError, match="Implicit conversion"):
         np.asarray(DeviceSplits(), dtype=np.int64)  # what the old code did
