@@ -48,7 +48,7 @@ def to_device(result, device_id: int):
     """The host `result` as a CuPy array on `device_id`, complete when this returns."""
     import cupy
     with cupy.cuda.Device(device_id):
-        out = cupy.asarray(np.ascontiguousarray(result))
+        out = cupy.asarray(result)  # (np.ascontiguousarray would make a 0-d result 1-d)
         # A copy from pageable memory may still be in flight when the call returns;
         # the caller may use the result on any stream.
         cupy.cuda.get_current_stream().synchronize()

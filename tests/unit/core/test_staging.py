@@ -86,6 +86,7 @@ def test_results_return_on_the_callers_device_and_are_complete(cupy):
     firsts = staging.returning_on(0, lambda r: r[0])((np.zeros(3), np.array([3])))
     assert firsts.device.id == 0 and firsts.shape == (3,)
     assert [a.device.id for a in staging.returning_on(3)([np.ones(1), np.ones(2)])] == [3, 3]
+    assert staging.returning_on(0)(np.array(5.0)).shape == ()  # a scalar stays a scalar
 
 
 def test_one_warning_per_process(caplog, monkeypatch):
