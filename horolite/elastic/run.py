@@ -10,12 +10,14 @@ horolite-run starts it again (launcher/elastic.py). This wrapper is the rank's s
   current state is written out and every rank leaves, asking for a restart;
 - an error of the runtime (a lost peer, a stall): ``state.restore()`` and the process
   ends; horolite-run restarts the job;
-- any other exception is the training code's own: it is named to horolite-run,
-  which ends the job with it (Horovod instead blacklists the host and retries).
+- any other exception is the training code's own (in `run`, or uncaught anywhere in the
+  script once horolite is imported): it is named to horolite-run, which ends the job
+  with it (Horovod instead blacklists the host and retries).
 """
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from typing import Callable, Optional
@@ -42,8 +44,13 @@ def is_runtime_failure(exc: BaseException) -> bool:
     if caused_by_peer(exc) or isinstance(exc, (ShutdownError, HostsUpdatedInterrupt)):
         return True
     rt = basics._current_runtime()
-    if rt is not None and getattr(rt, "doomed", None) is not None:
-        return True
+    if rt is not None:  # a framework's error (tf.errors.*) around the runtime's own
+        failures = getattr(rt, "failures", None)
+        if failures is not None and failures.heard is not None:
+            return True  # another rank had failed first
+        doomed = getattr(rt, "doomed", None)
+        if doomed is not None and (caused_by_peer(doomed) or isinstance(doomed, ShutdownError)):
+            return True  # not this rank's own exception: a stall, a peer gone
     return isinstance(exc, HorovodInternalError) and not isinstance(exc, ValueError)
 
 
@@ -127,8 +134,28 @@ def run_fn(func: Callable, reset: Optional[Callable] = None) -> Callable:
 
 def _name_user_error(exc: BaseException) -> None:
     """Tell horolite-run that the training code raised (so it does not restart the job)."""
-    if current() is None:
+    if current() is None or getattr(exc, "_horolite_elastic_named", False):
         return
-    text = f"rank {basics.rank()} raised {describe_exception(exc)}"
-    launcher_marker(protocol.MARKER_KIND, event=protocol.USER_ERROR, rank=basics.rank(),
-                    text=text)
+    try:
+        exc._horolite_elastic_named = True
+    except AttributeError:
+        pass
+    try:
+        rank = str(basics.rank())
+    except Exception:  # before init(): the MPI launcher's own variable
+        rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
+    launcher_marker(protocol.MARKER_KIND, event=protocol.USER_ERROR, rank=rank,
+                    text=f"rank {rank} raised {describe_exception(exc)}")
+
+
+def _excepthook(exc_type, exc, tb):
+    """An exception the training script did not catch, outside `run` too (its setup: a
+    bad argument, a Keras 3 incompatibility): the job ends with it, it is not restarted."""
+    if issubclass(exc_type, Exception) and not is_runtime_failure(exc):
+        _name_user_error(exc)
+    _previous_hook(exc_type, exc, tb)
+
+
+_previous_hook = sys.excepthook
+if current() is not None:
+    sys.excepthook = _excepthook

@@ -113,6 +113,16 @@ def test_an_error_of_the_training_code_ends_the_job(run, tmp_path):
                      r"elastic job is not restarted for it\)", r.stderr), r.stderr[-3000:]
 
 
+def test_an_uncaught_error_outside_the_elastic_function_ends_the_job_too(run, tmp_path):
+    r = run("-np", 2, "--min-np", 1, "-H", "localhost:2", *COOLDOWN, sys.executable, TRAIN,
+            tmp_path, "--raise-in-setup", timeout=120)
+    assert r.returncode == 1
+    assert generations(tmp_path) == [0]
+    assert re.search(r"job failed: rank 0 \(host [^)]+\) failed: TypeError: bad setup argument "
+                     r"\(elastic_train.py:\d+\).* \(an error of the training code", r.stderr), \
+        r.stderr[-3000:]
+
+
 def test_elastic_only_flags_need_an_elastic_job(run, tmp_path):
     r = run("-np", 2, "--reset-limit", 3, sys.executable, TRAIN, tmp_path)
     assert r.returncode == 2

@@ -47,6 +47,8 @@ def main():
     p.add_argument("--commit-every", type=int, default=5)
     p.add_argument("--sleep", type=float, default=0.05, help="seconds per step")
     p.add_argument("--raise-at", type=int, default=-1, help="rank 1 raises at this step")
+    p.add_argument("--raise-in-setup", action="store_true",
+                   help="rank 0 raises after init(), before the elastic function runs")
     p.add_argument("--check-every", type=int, default=0,
                    help="also call check_host_updates() every N steps")
     args = p.parse_args()
@@ -66,6 +68,8 @@ def main():
                              name="obj.data")
         return pickle.loads(data.tobytes())
 
+    if args.raise_in_setup and hvd.rank() == 0:
+        raise TypeError("bad setup argument")
     state = ObjectState(bcast_object, hvd.rank, w=np.zeros(DIM), step=0)
     resets = []
     state.register_reset_callbacks([lambda: resets.append(hvd.size())])
