@@ -151,7 +151,7 @@ def _set_session_and_parent_death():  # in mpirun's process, between fork and ex
 class Supervisor:
     def __init__(self, argv: Sequence[str], num_proc: int, rank_hosts: Sequence[str], *,
                  start_timeout: float, fail_grace: float = 2.0, kill_grace: float = 3.0,
-                 log=None, start_help: str = "", env=None):
+                 log=None, start_help: str = "", env=None, on_marker=None):
         self.argv = list(argv)
         self.num_proc = num_proc
         self.rank_hosts = list(rank_hosts)
@@ -159,6 +159,9 @@ class Supervisor:
         self.start_help = start_help or "Check that these hosts are reachable (ssh without a password)"
         self.fail_grace = fail_grace
         self.env = env  # mpirun's environment (None: this one)
+        # Called with (kind, fields) for marker kinds the supervisor does not know itself
+        # (the elastic driver's, launcher/elastic.py).
+        self.on_marker = on_marker
         self.kill_grace = kill_grace
         self.ranks: Dict[int, RankStatus] = {r: RankStatus(r) for r in range(num_proc)}
         self.events: "queue.Queue" = queue.Queue()
@@ -252,6 +255,8 @@ class Supervisor:
                         self._log(f"{describe_exit(self.first_failure)}; stopping the other ranks")
                     if stop_at is None:
                         stop_at = now + self.fail_grace
+            elif kind not in (None, "signal") and self.on_marker is not None:
+                self.on_marker(kind, fields)
             elif kind == "signal":
                 while self._signals:
                     signum = self._signals.pop(0)
@@ -298,6 +303,8 @@ class Supervisor:
                 self._record(kind, fields)
                 if kind == "exit" and self.first_failure is None and self._failed(fields):
                     self.first_failure = self.ranks[int(fields["rank"])]
+            elif kind != "signal" and self.on_marker is not None:
+                self.on_marker(kind, fields)
         self._kill_local_leftovers()
         result = self._result(returncode)
         if result.exit_code != 0:

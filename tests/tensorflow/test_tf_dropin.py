@@ -70,8 +70,6 @@ def test_unregistered_process_sets_are_refused_naming_the_set():
             call()
     with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS=1"):
         hvd.add_process_set([0])
-    with pytest.raises(NotImplementedError, match="elastic"):
-        hvd.elastic.TensorFlowKerasState  # noqa: B018
 
 
 @pytest.mark.parametrize("mode", MODES)
