@@ -37,8 +37,10 @@ SILENT_AFTER = 2.5 * INTERVAL
 class Heartbeat:
     """Sends and hears the beats (background thread only); `silent()` names who is quiet."""
 
-    def __init__(self, comm: MPI.Comm, hostnames: List[str]):
+    def __init__(self, comm: MPI.Comm, hostnames: List[str], links=None):
+        """links: a links.LinkWatch, checked before the beats go out (it raises LinkLost)."""
         self.comm = comm.Dup()
+        self.links = links
         self.rank = comm.Get_rank()
         self.peers = [q for q in range(comm.Get_size()) if q != self.rank]
         # Every rank's process id, for the peers on this host (gone()).
@@ -62,6 +64,8 @@ class Heartbeat:
         if now < self._next_look or not self.peers:
             return
         self._next_look = now + _LOOK_EVERY
+        if self.links is not None:
+            self.links.check()  # before MPI's progress, as every send is (links.py)
         self._hear(now)
         if now >= self._next_send:
             self._next_send = now + INTERVAL

@@ -25,6 +25,7 @@ from ..failure.collective_watch import CollectiveWatch
 from ..errors import ControlMessageError, HorovodInternalError, ShutdownError, StallError
 from ..failure.channel import FailureChannel, PeerFailure, launcher_marker
 from ..failure.heartbeat import Heartbeat
+from ..failure.links import LinkLost, LinkWatch
 from .job_end import JobEnd
 from ..execution.executor import Executor
 from ..core.messages import JOIN_NAME, Kind
@@ -106,15 +107,23 @@ class Runtime(JobEnd):
         self.failures = FailureChannel(comm, hostnames)
         if leader is not None:  # a process set's messages name job ranks
             self.failures.where = self._where_in_job
+        # Connections to peers on other hosts that closed (links.py): never sent to.
+        self.links = (leader.links if leader is not None else
+                      LinkWatch(comm, hostnames) if self.size > 1 else None)
+        if leader is None:
+            self.failures.unsafe = self._unreachable
+            if self.links is not None:
+                self.failures.silent = lambda: self.links.lost is not None
         # Which peers are still heard from (heartbeat.py): what a stall report names.
-        self.heartbeat = (Heartbeat(comm, hostnames) if self.size > 1 and not cfg.stall_check_disable
+        self.heartbeat = (Heartbeat(comm, hostnames, self.links) if self.size > 1 and not cfg.stall_check_disable
                           else None)
         self.watch = CollectiveWatch(self.failures, cfg.stall_check_time_seconds,
                                      cfg.stall_shutdown_time_seconds, not cfg.stall_check_disable,
                                      self.heartbeat)
         self.doomed: Optional[BaseException] = None  # set when this process must end
         self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
-                                      watch=self.watch, channel=self.failures)
+                                      watch=self.watch, channel=self.failures,
+                                      links=self.links)
         (self.transport.hierarchical_allreduce,
          self.transport.hierarchical_allgather) = open_hierarchical(
             comm, self.transport.waiter, cfg.hierarchical_allreduce, cfg.hierarchical_allgather)
@@ -245,6 +254,17 @@ class Runtime(JobEnd):
                     self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))
         except PeerFailure as e:  # heard inside a wait: another rank failed (or this one)
             self._end_for_failure(e.notice)
+        except LinkLost as e:  # a peer's connection closed: no more sends to it
+            self._end_for_lost_link(e)
+        except MPI.Exception as e:  # the MPI library's error: a peer that died, most often
+            lost = self._lost_peer(e)
+            if lost is None:
+                _log.exception("rank %d: background thread failed", self.rank)
+                lost = HorovodInternalError(f"{self.failures.where(self.rank)}: horolite's "
+                                            f"background thread failed: {e!r}")
+                self._end_for_failure(None, lost)
+            else:
+                self._end_for_lost_link(lost)
         except StallError as e:  # a collective stalled inside a wait, on this rank
             self._end_for_failure(None, e)
         except BaseException as e:  # a bug: report it everywhere rather than hang the job
@@ -265,6 +285,8 @@ class Runtime(JobEnd):
     def _cycle(self) -> bool:
         """One negotiate-fuse-execute round; False when the runtime must stop."""
         now = time.monotonic()
+        if self.links is not None:
+            self.links.check()  # before anything makes MPI progress (failure/links.py)
         notice = self.failures.check() or self.failures.sent
         if notice is not None:
             raise PeerFailure(notice)

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import HorovodInternalError, ShutdownError
 from . import registry
+from ..failure.links import LinkLost
 from ..failure.channel import (Notice, caused_by_peer, describe_exception, hard_exit_after,
                                launcher_marker, signal_name)
 
@@ -78,6 +79,39 @@ class JobEnd:
             self.failures.announce(str(error))
             return
         self._doom(error)
+
+    def _unreachable(self) -> set:
+        """Ranks no send may reach: behind a closed link, or whose process on this host is gone."""
+        ranks = self.links.unsafe() if getattr(self, "links", None) is not None else set()
+        if self.heartbeat is not None:
+            ranks |= set(self.heartbeat.gone())
+        return ranks
+
+    def _lost_peer(self, exc: BaseException) -> Optional[LinkLost]:
+        """An MPI error explained by a peer that is gone, as LinkLost; else None."""
+        gone = self.heartbeat.gone() if self.heartbeat is not None else {}
+        if gone:
+            q, pid = min(gone.items())
+            return LinkLost(f"{self.failures.where(q)}'s process ({pid}) is gone (MPI reported "
+                            f"{str(exc).splitlines()[0][:200]})", sorted(gone))
+        if getattr(self, "links", None) is not None:
+            self.links.unsafe()
+            if self.links.lost is not None:
+                return self.links.lost
+        return None
+
+    def _end_for_lost_link(self, lost) -> None:
+        """A peer's connection closed (failure/links.py), or MPI failed and a peer is gone:
+        fail this rank's collectives naming it."""
+        text = f"{self.failures.where(self.rank)}: {lost}"
+        _log.error("rank %d: %s; failing this rank's collectives", self.rank, lost)
+        launcher_marker("stopped", rank=self.rank, by=lost.ranks[0], text=text)
+        error = HorovodInternalError(text)
+        error.horolite_peer = lost.ranks[0]
+        self._doom(error)
+        # No notice to the others: any MPI call now could make MPI progress the collectives
+        # this rank abandoned, which send to that peer. They see the link close themselves,
+        # or hear from the launcher (and under mpirun, MPI's own cleanup ends the job).
 
     def _doom(self, error: BaseException) -> None:
         """This rank cannot go on: its collectives fail, every process set's on it too."""
