@@ -151,6 +151,7 @@ class Runtime(JobEnd):
         self._invalid: set = set()
         self._joined = False
         self._shutdown_requested = threading.Event()
+        self._late_lock = threading.Lock()  # quorum answers after shutdown: callers' threads
         self._exiting: Optional[int] = None
         self._hard_exit: Optional[threading.Event] = None  # set: the hard exit is cancelled
         self._fatal: Optional[BaseException] = None
@@ -272,15 +273,22 @@ class Runtime(JobEnd):
             self._end_for_failure(None, HorovodInternalError(
                 f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
 
-    def _fail_pending(self, error: BaseException) -> None:
+    def _answer_late(self, entry: Entry) -> bool:
+        with self._late_lock:
+            return bool(entry.request.quorum) and self.executor.quorum.answer(entry)
+
+    def _fail_pending(self, error: BaseException) -> int:
         self._fatal = self._fatal or error
         pending = self.queue.close(error)
+        if self.queue.after_close is not None:
+            pending = [entry for entry in pending if not self._answer_late(entry)]
         for entry in pending:
             exc = type(error)(f"tensor '{entry.request.name}': {error}")
             exc.horolite_peer = getattr(error, "horolite_peer", None)
             entry.handle._set_exception(exc)
         self._unsent.clear()
         self._waiting.clear()
+        return len(pending)
 
     def _cycle(self) -> bool:
         """One negotiate-fuse-execute round; False when the runtime must stop."""
@@ -348,7 +356,14 @@ class Runtime(JobEnd):
         self.executor.set_fusion_threshold(fusion_threshold)
 
         if global_flags & SHUTDOWN:
-            self._fail_pending(self._shutdown_error())
+            # Quorum results decided before the others left still answer this rank's
+            # submissions, now and later (a straggler finishing its steps).
+            self.queue.after_close = self._answer_late
+            error = self._shutdown_error()
+            failed = self._fail_pending(error)
+            first = getattr(error, "horolite_peer", None)
+            if failed and first is not None:
+                launcher_marker("stopped", rank=self.rank, by=first, text=error)
             return False
 
         for slot in invalid_slots:

@@ -141,21 +141,27 @@ class JobEnd:
 
     def _shutdown_error(self) -> ShutdownError:
         """Who stopped the job, and how (one small allgather: every rank agreed on the
-        shutdown in this same cycle, so every rank makes it)."""
-        mine = np.array([0 if self._exiting is None else 1,
+        shutdown in this same cycle, so every rank makes it). A rank's word: 0 it did not
+        ask, 1 its process is exiting (with the code after it), 2 it called shutdown()."""
+        asked = self._shutdown_requested.is_set()
+        mine = np.array([1 if self._exiting is not None else 2 if asked else 0,
                          -1 if self._exiting is None else self._exiting], dtype=np.int64)
         everyone = self.transport.allgather_ints(mine)
-        leavers = [q for q in range(self.size) if everyone[q][0]]
+        leavers = [q for q in range(self.size) if everyone[q][0] == 1] or \
+            [q for q in range(self.size) if everyone[q][0] == 2]
         if not leavers:
             return ShutdownError("horolite was shut down (shutdown() was called on a rank) "
                                  "before this collective completed")
         first = leavers[0]
         code = int(everyone[first][1])
-        how = f"its process exited with code {code}" if code >= 0 else "its process exited"
-        error = ShutdownError(f"{self.failures.where(first)} left the job ({how}) before this "
-                              "collective completed on every rank")
+        if everyone[first][0] == 2:
+            how = "called shutdown()"
+            error = ShutdownError(f"{self.failures.where(first)} called shutdown() before this "
+                                  "collective completed on every rank")
+        else:
+            how = f"its process exited with code {code}" if code >= 0 else "its process exited"
+            error = ShutdownError(f"{self.failures.where(first)} left the job ({how}) before "
+                                  "this collective completed on every rank")
         if first != self.rank:
             error.horolite_peer = first
-            if self.queue.has_inflight():
-                launcher_marker("stopped", rank=self.rank, by=first, text=error)
         return error
