@@ -155,9 +155,9 @@ class JobEnd:
         first = leavers[0]
         code = int(everyone[first][1])
         if everyone[first][0] == 2:
-            how = "called shutdown()"
-            error = ShutdownError(f"{self.failures.where(first)} called shutdown() before this "
-                                  "collective completed on every rank")
+            error = ShutdownError(f"horolite was shut down: {self.failures.where(first)} "
+                                  "called shutdown() before this collective completed on "
+                                  "every rank")
         else:
             how = f"its process exited with code {code}" if code >= 0 else "its process exited"
             error = ShutdownError(f"{self.failures.where(first)} left the job ({how}) before "

@@ -182,6 +182,6 @@ def test_a_straggler_finishes_its_decided_steps_after_the_others_left():
         np.testing.assert_allclose(hvd.synchronize(h), want[step])
         assert h.contributors == tuple(range(k))
     with pytest.raises(hvd.HorovodInternalError,
-                       match=r"tensor 'q.never': rank 0 \(host [^)]+\) called shutdown\(\) before "
+                       match=r"tensor 'q.never': horolite was shut down: rank 0 \(host [^)]+\) called shutdown\(\) before "
                              r"this collective completed on every rank"):
         hvd.allreduce(inputs(RANK, 0), name="q.never", quorum=k)
