@@ -309,12 +309,17 @@ class Supervisor:
         if removed:
             self._log(f"removed {len(removed)} shared-memory segment(s) the job left in "
                       f"/dev/shm: {', '.join(os.path.basename(p) for p in removed)}")
+        if result.exit_code != 0:  # a clean end leaves nothing: MPI_Finalize unlinks them
+            for host, files in sorted(self.shm.remove_remote(self.argv).items()):
+                self._log(f"removed {len(files)} shared-memory segment(s) the job left in "
+                          f"/dev/shm on {host}: {', '.join(os.path.basename(p) for p in files)}")
         return result
 
     def _shm_report(self, fields) -> None:
-        """A rank's own list of its /dev/shm files; those of other hosts are not ours."""
-        if fields.get("host") == socket.gethostname():
-            self.shm.reported(fields.get("text", "").split())
+        """A rank's own list of its /dev/shm files, on this host or another."""
+        host = fields.get("host")
+        self.shm.reported(fields.get("text", "").split(),
+                          None if host in (None, socket.gethostname()) else host)
 
     def _runtime_report(self, kind, fields) -> bool:
         """A rank's own account (horolite/failure/channel.py): True when it ends the job."""

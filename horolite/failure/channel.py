@@ -216,15 +216,18 @@ def launcher_marker(kind: str, **fields) -> None:
         pass
 
 
-def hard_exit_after(seconds: float, code: int, why: str) -> threading.Event:
+def hard_exit_after(seconds: float, code: int, why: str, before=None) -> threading.Event:
     """End this process `seconds` from now unless it has ended by itself: a rank stuck in
-    user code must not keep the job alive. Setting the returned event cancels it."""
+    user code must not keep the job alive. Setting the returned event cancels it.
+    `before()`, if given, runs first (the job's shared memory removed, say)."""
     cancel = threading.Event()
 
     def run():
         if cancel.wait(seconds):
             return
         _log.error("%s: ending this process now (exit code %d)", why, code)
+        if before is not None:
+            before()
         exit_now(code)
     threading.Thread(target=run, name="horolite-hard-exit", daemon=True).start()
     return cancel

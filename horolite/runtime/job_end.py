@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import HorovodInternalError, ShutdownError
 from . import registry
 from ..failure.links import LinkLost
+from ..failure.shm_files import remove_mapped
 from ..failure.channel import (Notice, caused_by_peer, describe_exception, hard_exit_after,
                                launcher_marker, signal_name)
 
@@ -46,6 +47,7 @@ class JobEnd:
 
     def report_signal(self, signum: int) -> None:
         """SIGTERM is ending this process: tell the others (unless they told us first)."""
+        remove_mapped()  # it ends without MPI_Finalize (failure/shm_files.py)
         if self.doomed is not None or self.failures.heard is not None:
             return
         text = (f"{self.failures.where(self.rank)} was killed by signal {signum} "
@@ -120,7 +122,8 @@ class JobEnd:
         self.doomed = self.doomed or error
         self._fail_pending(error)
         if self._hard_exit is None:
-            self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}")
+            self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}",
+                                              before=remove_mapped)
         if first:
             for other in registry.runtimes():
                 if other is not self:
