@@ -234,7 +234,7 @@ class Runtime(JobEnd):
                     self.transport.close()
                     if self.doomed is None:
                         if self.heartbeat is not None:
-                            self.heartbeat.close()
+                            self.heartbeat.close(self._unreachable())
                         self.failures.close()
                     break
                 if self.queue.has_inflight():
