@@ -27,6 +27,7 @@ from ..failure.channel import FailureChannel, PeerFailure, launcher_marker
 from ..failure.heartbeat import Heartbeat
 from ..failure.links import LinkLost, LinkWatch
 from .job_end import JobEnd
+from .topology import Topology
 from ..execution.executor import Executor
 from ..core.messages import JOIN_NAME, Kind
 from ..coordination.negotiation import Coordinator
@@ -52,25 +53,6 @@ CACHE_DEMOTE_SECONDS = 1.0
 IDLE_MAX_SECONDS = 0.1
 # Why rank 0 stops the job (the reason word travels with the response list).
 _STOP_ERRORS = {"stall": StallError, "control": ControlMessageError}
-
-
-class Topology:
-    """rank/size of the job, of this host and across hosts."""
-
-    def __init__(self, comm: MPI.Comm):
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank = local.Get_rank()
-        self.local_size = local.Get_size()
-        cross = comm.Split(color=self.local_rank, key=self.rank)
-        self.cross_rank = cross.Get_rank()
-        self.cross_size = cross.Get_size()
-        local_sizes = comm.allgather(self.local_size)
-        self.is_homogeneous = len(set(local_sizes)) == 1
-        self.hostname = MPI.Get_processor_name()
-        local.Free()
-        cross.Free()
 
 
 class Runtime(JobEnd):
@@ -258,37 +240,13 @@ class Runtime(JobEnd):
         except LinkLost as e:  # a peer's connection closed: no more sends to it
             self._end_for_lost_link(e)
         except MPI.Exception as e:  # the MPI library's error: a peer that died, most often
-            lost = self._lost_peer(e)
-            if lost is None:
-                _log.exception("rank %d: background thread failed", self.rank)
-                lost = HorovodInternalError(f"{self.failures.where(self.rank)}: horolite's "
-                                            f"background thread failed: {e!r}")
-                self._end_for_failure(None, lost)
-            else:
-                self._end_for_lost_link(lost)
+            self._end_for_mpi_error(e)
         except StallError as e:  # a collective stalled inside a wait, on this rank
             self._end_for_failure(None, e)
         except BaseException as e:  # a bug: report it everywhere rather than hang the job
             _log.exception("rank %d: background thread failed", self.rank)
             self._end_for_failure(None, HorovodInternalError(
                 f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
-
-    def _answer_late(self, entry: Entry) -> bool:
-        with self._late_lock:
-            return bool(entry.request.quorum) and self.executor.quorum.answer(entry)
-
-    def _fail_pending(self, error: BaseException) -> int:
-        self._fatal = self._fatal or error
-        pending = self.queue.close(error)
-        if self.queue.after_close is not None:
-            pending = [entry for entry in pending if not self._answer_late(entry)]
-        for entry in pending:
-            exc = type(error)(f"tensor '{entry.request.name}': {error}")
-            exc.horolite_peer = getattr(error, "horolite_peer", None)
-            entry.handle._set_exception(exc)
-        self._unsent.clear()
-        self._waiting.clear()
-        return len(pending)
 
     def _cycle(self) -> bool:
         """One negotiate-fuse-execute round; False when the runtime must stop."""

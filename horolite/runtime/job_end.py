@@ -31,8 +31,9 @@ EXIT_GRACE_SECONDS = 3.0
 
 
 class JobEnd:
-    """Mixed into Runtime: uses its failures (FailureChannel), heartbeat, queue, transport, rank,
-    size, doomed, _hard_exit, _exiting and _fail_pending."""
+    """Mixed into Runtime: uses its failures (FailureChannel), heartbeat, links, queue,
+    transport, executor, rank, size, doomed, _hard_exit, _exiting, _late_lock and
+    _shutdown_requested."""
 
     def report_exception(self, exc: BaseException, tb) -> None:
         """An uncaught exception is ending this process (main thread): tell the others."""
@@ -81,6 +82,34 @@ class JobEnd:
             self.failures.announce(str(error))
             return
         self._doom(error)
+
+    def _answer_late(self, entry) -> bool:
+        with self._late_lock:
+            return bool(entry.request.quorum) and self.executor.quorum.answer(entry)
+
+    def _fail_pending(self, error: BaseException) -> int:
+        self._fatal = self._fatal or error
+        pending = self.queue.close(error)
+        if self.queue.after_close is not None:
+            pending = [entry for entry in pending if not self._answer_late(entry)]
+        for entry in pending:
+            exc = type(error)(f"tensor '{entry.request.name}': {error}")
+            exc.horolite_peer = getattr(error, "horolite_peer", None)
+            entry.handle._set_exception(exc)
+        self._unsent.clear()
+        self._waiting.clear()
+        return len(pending)
+
+    def _end_for_mpi_error(self, exc: BaseException) -> None:
+        """An MPI error in the background thread: a peer's loss when a peer is gone,
+        else a failure of this rank's own, told to the others."""
+        lost = self._lost_peer(exc)
+        if lost is not None:
+            self._end_for_lost_link(lost)
+            return
+        _log.exception("rank %d: background thread failed", self.rank)
+        self._end_for_failure(None, HorovodInternalError(
+            f"{self.failures.where(self.rank)}: horolite's background thread failed: {exc!r}"))
 
     def _unreachable(self) -> set:
         """Ranks no send may reach: behind a closed link, or whose process on this host is gone."""
