@@ -47,8 +47,29 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
 
+class _VariableList(list):
+    """Keras 3's `optimizer.variables` (a list), also callable as TF 2's `variables()` was:
+    Horovod-era code such as `hvd.broadcast_variables(opt.variables(), 0)` runs unchanged."""
+
+    def __call__(self):
+        return list(self)
+
+
 class _DistributedMixin:
     """Mixed into the wrapped optimizer's class: `apply` reduces the gradients first."""
+
+    @property
+    def variables(self):
+        return _VariableList(super().variables)
+
+    @property
+    def lr(self):
+        """Keras 2's name of `learning_rate` (Horovod-era callbacks and scripts read it)."""
+        return self.learning_rate
+
+    @lr.setter
+    def lr(self, value):
+        self.learning_rate = value
 
     def _horolite_setup(self, reducer, passes, average):
         self._horolite_reducer = reducer
