@@ -58,9 +58,14 @@ class OutputPool:
     for the buffers grouped allreduces pack their members into.)
     """
     MIN_BYTES = 64 << 10
-    PER_KEY = 2
-    # What the pool may hold in all: beyond it, results are plain new arrays.
-    MAX_BYTES = 512 << 20
+    # A caller that keeps the last two steps' results (a framework applying them while
+    # the next step runs) holds two per key; the step in flight needs a third, and one
+    # more keeps the reuse from ever falling back to fresh pages when a result is
+    # released a moment late. Fresh pages cost more than the allreduce that fills them.
+    PER_KEY = 4
+    # What the pool may hold in all: beyond it, results are plain new arrays (a
+    # BERT-base step is 438 MB, and its caller may hold two).
+    MAX_BYTES = 2 << 30
 
     def __init__(self, arena=None):
         self._arrays = {}

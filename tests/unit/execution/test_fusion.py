@@ -46,6 +46,7 @@ def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
     from horolite.execution.executor import OutputPool
     pool = OutputPool()
     f32 = np.dtype(np.float32)
+    pool.PER_KEY = 2  # (the default keeps more: enough for a caller holding two steps' results)
     a = pool.empty((1 << 18,), f32)  # 1 MiB: pooled
     b = pool.empty((1 << 18,), f32)
     assert a is not b and pool._held == 2 << 20
@@ -62,6 +63,22 @@ def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
     for _ in range(3):
         pool.empty((1 << 19,), f32)  # 2 MiB each, over the cap: never kept
     assert pool._held == 2 << 20
+
+
+def test_output_pool_reuses_while_the_caller_holds_two_steps_results():
+    import collections
+    from horolite.execution.executor import OutputPool
+    pool = OutputPool()
+    f32 = np.dtype(np.float32)
+    held = collections.deque(maxlen=2)  # the last two steps' results, as views
+    seen = set()
+    for step in range(12):
+        out = pool.empty((1 << 18,), f32)
+        assert all(out is not h.base for h in held)  # never one the caller still holds
+        seen.add(id(out))
+        held.append(out[1:])
+        del out
+    assert len(seen) == 3 and pool._held == 3 << 20  # no fresh array after the third step
 
 
 def test_group_layout_pads_members_to_64_bytes():
