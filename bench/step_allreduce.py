@@ -207,7 +207,20 @@ def report(res, n: int):
 
 
 # What limits a missed target, from the breakdown in docs/benchmarks.md ("One training step").
-LIMITS = {}
+_SCHEDULER = ("on a shared VM the two ranks rarely run at the same moment, and the "
+              "shared-memory allreduce hands every 1 MiB block between them: a ResNet-50 step "
+              "used 30-41 ms of CPU per rank but took 140-270 ms at load 9-18")
+LIMITS = {
+    ("one", "grouped"): "packing the 214 gradients into one buffer (one more pass over the "
+                        "102 MB) before the allreduce of one tensor; " + _SCHEDULER,
+    ("one", "grouped, holding 2"): "as grouped (held results no longer cost fresh pages); "
+                                   + _SCHEDULER,
+    ("one", "async"): "the tensors arrive over 1-2 cycles, so 1-2 fused batches a step, packed "
+                      "by the background thread, and 214 handles; " + _SCHEDULER,
+    ("one", "async, holding 2"): "as async; " + _SCHEDULER,
+}
+for _v in STEP_VARIANTS:
+    LIMITS[("mpi", _v)] = _SCHEDULER
 
 if __name__ == "__main__":
     main()

@@ -148,4 +148,16 @@ def report(r: dict, n: int):
     return rows, targets
 
 
-LIMITS = {}
+# What limits a missed target (docs/benchmarks.md, "One training step").
+_EXCHANGE = ("the exchange (packing 100 MB, the allreduce) sits on the step's critical path: "
+             "with one TensorFlow thread per rank on 2 cores no core is idle to overlap it, and "
+             "on a shared VM it waits on the scheduler for the other rank")
+LIMITS = {
+    "DistributedGradientTape, tf.function": _EXCHANGE,
+    "DistributedOptimizer, Keras fit": _EXCHANGE,
+    ("adds", "DistributedGradientTape, tf.function"):
+        "the enqueue op (a Python numpy_function: the GIL, shared with the background thread) "
+        "and the wait op's completion; measured under load, where both vary by 2-5x",
+    ("adds", "DistributedOptimizer, Keras fit"):
+        "as DistributedGradientTape, plus Keras's own per-step work around the optimizer",
+}
