@@ -59,11 +59,13 @@ _group_buffers_lock = threading.Lock()
 _zeros = {}  # dtype -> _GROUP_ALIGN zero bytes, the padding between members
 
 
-def pack_host_group(arrays: list, base: str):
+def pack_host_group(arrays: list, base: str, pool=None):
     """(one flat array, the shapes) for NumPy arrays of one reducible dtype, else None.
 
     The common case of a grouped step (hundreds of small gradients) takes one
-    pass here: per-array checks cost more than copying 4 KiB.
+    pass here: per-array checks cost more than copying 4 KiB. `pool`: the runtime's
+    output pool (execution.OutputPool), whose buffer the runtime then reduces in
+    place and hands back as the result; without it, a pool of this module's.
     """
     if not arrays:
         return None
@@ -80,8 +82,11 @@ def pack_host_group(arrays: list, base: str):
             f"{Kind.ALLREDUCE.label}; supported: {', '.join(REDUCIBLE_DTYPES)}")
     shapes = tuple([a.shape for a in arrays])
     total, gaps = _layout(shapes, dtype.itemsize)[1:]
-    with _group_buffers_lock:
-        flat = _group_buffers.empty((total,), dtype)
+    if pool is not None:
+        flat = pool.empty((total,), dtype)
+    else:
+        with _group_buffers_lock:
+            flat = _group_buffers.empty((total,), dtype)
     if gaps:
         # the padding travels too, as zeros (reduced, it stays zero)
         pad = _zeros.get(dtype)

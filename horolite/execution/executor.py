@@ -9,6 +9,7 @@ import logging
 import math
 import mmap
 import sys
+import threading
 import time
 from functools import lru_cache
 from typing import List, Optional, Sequence
@@ -72,12 +73,19 @@ class OutputPool:
         self._arrays = {}
         self._held = 0
         self.arena = arena
+        # The background thread takes results here, callers the buffers they pack
+        # groups into (grouping.py), so that a group is reduced in place.
+        self._lock = threading.Lock()
 
     def empty(self, shape, dtype) -> np.ndarray:
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
         if nbytes < self.MIN_BYTES:
             return np.empty(shape, dtype=dtype)
+        with self._lock:
+            return self._pooled(shape, dtype, count, nbytes)
+
+    def _pooled(self, shape, dtype, count: int, nbytes: int) -> np.ndarray:
         # Handed out as a view of the first `count` elements of the smallest free kept
         # array that holds them (at most twice as large): a fused batch's size changes
         # from step to step (which tensors arrived in which cycle), and kept by exact
@@ -302,6 +310,15 @@ class Executor:
                 self.queue.finish_all([name for name, _, _ in done])
                 Handle.set_results([h for _, h, _ in done], [v for _, _, v in done])
             return flat.nbytes
+        entry = entries[0]
+        if entry is not None and entry.owned and first.prescale == 1.0:
+            # A group packed into the output pool: reduced in place, it is the result
+            # (through shared memory, with every rank in place, nothing is staged).
+            out = entry.array
+            self.transport.allreduce(out.reshape(-1), op, postscale, f"tensor '{first.name}'")
+            self._span(names, "ALLREDUCE", start, time.monotonic())
+            self._complete(first, entry, out)
+            return out.nbytes
         outputs = [self.outputs.empty(inputs[0].shape, inputs[0].dtype)]
         if first.prescale == 1.0:
             # No copy into the output first: the ring reads the input and writes the output.
