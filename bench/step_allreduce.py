@@ -134,7 +134,11 @@ def main(argv=None) -> None:
     p.add_argument("--tf-steps", type=int, default=40, help="timed TensorFlow steps per variant")
     p.add_argument("--fit-batches", type=int, default=8, help="batches per Keras fit call")
     p.add_argument("--no-tf", action="store_true", help="skip the TensorFlow part")
+    p.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the table and "
+                   "targets of a saved run (its .md, and the targets in the JSON)")
     args = p.parse_args(argv)
+    if args.render:
+        return render(args.render)
     if args.tiny:
         args.steps, args.blocks, args.tf_steps = 4, 2, 4
 
@@ -165,6 +169,22 @@ def main(argv=None) -> None:
     common.finish(comm, args, "step_allreduce",
                   {"steps": args.steps, "blocks": args.blocks, "results": res},
                   columns, table, targets)
+
+
+def render(path: str) -> None:
+    """The table and targets of a saved run, from its measurements, with this script's
+    current words for what limits each target."""
+    import json
+    import os
+    with open(path) as f:
+        doc = json.load(f)
+    columns, table, targets = report(doc["results"], doc["ranks"])
+    doc["targets"] = [t.as_dict() for t in targets]
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=float)
+        f.write("\n")
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(f"`{doc['command']}`\n\n" + common._markdown(columns, table, targets))
 
 
 def report(res, n: int):

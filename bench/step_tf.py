@@ -154,10 +154,14 @@ _EXCHANGE = ("the exchange (packing 100 MB, the allreduce) sits on the step's cr
              "on a shared VM it waits on the scheduler for the other rank")
 LIMITS = {
     "DistributedGradientTape, tf.function": _EXCHANGE,
-    "DistributedOptimizer, Keras fit": _EXCHANGE,
+    "DistributedOptimizer, Keras fit": "a fit step is timed inside fit, without a barrier: "
+        "plain processes each run at their own pace, while horolite's ranks wait for the slower "
+        "one every step, and under load a step's time varies by 2-5x (a tape step is timed "
+        "from a barrier, so there plain pays that wait too); then " + _EXCHANGE,
     ("adds", "DistributedGradientTape, tf.function"):
         "the enqueue op (a Python numpy_function: the GIL, shared with the background thread) "
         "and the wait op's completion; measured under load, where both vary by 2-5x",
     ("adds", "DistributedOptimizer, Keras fit"):
-        "as DistributedGradientTape, plus Keras's own per-step work around the optimizer",
+        "not measured apart; presumably mostly the wait for the slower rank every step (see "
+        "the throughput row), which the NumPy step, timed from a barrier, does not include",
 }
