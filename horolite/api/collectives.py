@@ -202,9 +202,9 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
                 len({a.dtype for a in arrays}) == 1:
             packed = pack_host_group(arrays, base, pool)
     if packed is not None:
-        flat, shapes = packed
+        flat, shapes, owned = packed
         return _submit(Kind.ALLREDUCE, flat, base, transform=lambda out: split_group(out, shapes),
-                       rt=rt, owned=True, op=int(op), prescale=float(prescale_factor),
+                       rt=rt, owned=owned, op=int(op), prescale=float(prescale_factor),
                        postscale=float(postscale_factor), group=shapes, quorum=k)
     if k:
         raise InvalidCollectiveError(
