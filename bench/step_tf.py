@@ -159,8 +159,9 @@ LIMITS = {
         "one every step, and under load a step's time varies by 2-5x (a tape step is timed "
         "from a barrier, so there plain pays that wait too); then " + _EXCHANGE,
     ("adds", "DistributedGradientTape, tf.function"):
-        "the enqueue op (a Python numpy_function: the GIL, shared with the background thread) "
-        "and the wait op's completion; measured under load, where both vary by 2-5x",
+        "not yet separated: the enqueue op (a Python numpy_function, holding the GIL the "
+        "background thread also needs), the wait op's completion, and TensorFlow's own work "
+        "around them; read 0.07 at load 0.80 and 1.35 at load 0.49",
     ("adds", "DistributedOptimizer, Keras fit"):
         "not measured apart; presumably mostly the wait for the slower rank every step (see "
         "the throughput row), which the NumPy step, timed from a barrier, does not include",
