@@ -15,7 +15,8 @@ DOC = os.path.join(ROOT, "docs", "benchmarks.md")
 START, END = "## Targets, as measured", "## Where the time goes"
 RUNS = [("Allreduce bandwidth", "allreduce_bandwidth"), ("Small tensors", "small_tensors"),
         ("Training throughput", "training_throughput"),
-        ("Steady-state memory", "steady_state_memory"), ("Autotune recovery", "autotune_recovery")]
+        ("Steady-state memory", "steady_state_memory"), ("Autotune recovery", "autotune_recovery"),
+        ("One training step", "step_allreduce")]
 
 
 def load(name):

@@ -155,3 +155,24 @@ def test_gpu_allreduce(tmp_path):
     assert doc["mode"] in ("nccl", "staged") and doc["gpu"]
     key = "copy_over_horolite" if doc["mode"] == "nccl" else "staged_over_host_plus_copies"
     assert all(r[key] > 0 for r in doc["rows"])
+
+
+def test_step_allreduce(tmp_path):
+    pytest.importorskip("tensorflow")
+    doc = run_bench("step_allreduce", tmp_path, timeout=420)
+    res = doc["results"]
+    assert set(res["host"]) == {"resnet50", "bert_base", "dense100"}
+    assert res["host"]["resnet50"]["tensors"] == 214 and res["host"]["bert_base"]["tensors"] == 199
+    for r in res["host"].values():
+        times = r["block_medians_s"]
+        assert set(times) == {"MPI_Allreduce", "one tensor", "one tensor, holding 2", "grouped",
+                              "grouped, holding 2", "async", "async, holding 2"}
+        assert all(len(v) == doc["blocks"] and min(v) > 0 for v in times.values())
+    # device variants run only with CuPy and a GPU; otherwise each says why not
+    assert all("skipped" in r or r["block_medians_s"] for r in res["device"].values())
+    tf_times = res["tf"]["block_medians_s"]
+    assert len(tf_times) == 7 and all(len(v) == doc["blocks"] and min(v) > 0
+                                      for v in tf_times.values())
+    names = {t["name"] for t in doc["targets"]}
+    assert any(n.startswith("ResNet-50 step, grouped: time / one tensor") for n in names)
+    assert any(n.startswith("DistributedGradientTape (tf.function): throughput") for n in names)

@@ -99,7 +99,7 @@ def _reduce_op(op, name: str) -> ReduceOp:
 
 
 def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, splits=None,
-            rt=None, **fields) -> Handle:
+            rt=None, owned: bool = False, **fields) -> Handle:
     rt = rt or runtime()
     ready = None
     if array is None:
@@ -119,7 +119,8 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
         request = Request(name, kind, dtype_name(array.dtype), array.shape, **fields)
     handle = (SetHandle(name, transform, rt.set_label) if rt.set_label else
               Handle(name, transform))
-    entry = Entry(request=request, array=array, handle=handle, splits=splits, ready=ready)
+    entry = Entry(request=request, array=array, handle=handle, splits=splits, ready=ready,
+                  owned=owned)
     return rt.submit(entry)
 
 
@@ -202,16 +203,17 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
     if not (math.isfinite(pre) and math.isfinite(post)):
         for i, a in enumerate(arrays):
             _check_scales(np.asarray(a) if not hasattr(a, "dtype") else a, f"{base}.{i}", pre, post)
-    packed = pack_host_group(arrays, base)
+    pool = rt.executor.outputs  # packed there, the group is reduced in place
+    packed = pack_host_group(arrays, base, pool)
     if packed is None:
         arrays = [_as_array(a, f"{base}.{i}", Kind.ALLREDUCE, rt) for i, a in enumerate(arrays)]
         if arrays and all(isinstance(a, np.ndarray) for a in arrays) and \
                 len({a.dtype for a in arrays}) == 1:
-            packed = pack_host_group(arrays, base)
+            packed = pack_host_group(arrays, base, pool)
     if packed is not None:
-        flat, shapes = packed
+        flat, shapes, owned = packed
         return _submit(Kind.ALLREDUCE, flat, base, transform=lambda out: split_group(out, shapes),
-                       rt=rt, op=int(op), prescale=float(prescale_factor),
+                       rt=rt, owned=owned, op=int(op), prescale=float(prescale_factor),
                        postscale=float(postscale_factor), group=shapes, quorum=k)
     if k:
         raise InvalidCollectiveError(

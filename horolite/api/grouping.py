@@ -57,13 +57,22 @@ _GROUP_ALIGN = 64  # bytes: TensorFlow copies a NumPy result that is not this al
 _group_buffers = OutputPool()  # (a fresh buffer of many MiB per step costs its page faults)
 _group_buffers_lock = threading.Lock()
 _zeros = {}  # dtype -> _GROUP_ALIGN zero bytes, the padding between members
+# Groups from this size on are packed into the runtime's output pool and reduced in
+# place: through shared memory that skips staging every block after the first (1 MiB
+# each). Below it, 200 x 4 KiB groups measured faster packed apart (0.29-0.54 ms a step
+# against 0.72-0.93 ms in place, np 2 under load).
+IN_PLACE_MIN_BYTES = 4 << 20
 
 
-def pack_host_group(arrays: list, base: str):
-    """(one flat array, the shapes) for NumPy arrays of one reducible dtype, else None.
+def pack_host_group(arrays: list, base: str, pool=None):
+    """(one flat array, the shapes, whether it is from `pool`) for NumPy arrays of one
+    reducible dtype, else None.
 
     The common case of a grouped step (hundreds of small gradients) takes one
-    pass here: per-array checks cost more than copying 4 KiB.
+    pass here: per-array checks cost more than copying 4 KiB. `pool`: the runtime's
+    output pool (execution.OutputPool), whose buffer the runtime then reduces in
+    place and hands back as the result, for groups of IN_PLACE_MIN_BYTES or more;
+    smaller ones go into a pool of this module's.
     """
     if not arrays:
         return None
@@ -80,8 +89,12 @@ def pack_host_group(arrays: list, base: str):
             f"{Kind.ALLREDUCE.label}; supported: {', '.join(REDUCIBLE_DTYPES)}")
     shapes = tuple([a.shape for a in arrays])
     total, gaps = _layout(shapes, dtype.itemsize)[1:]
-    with _group_buffers_lock:
-        flat = _group_buffers.empty((total,), dtype)
+    owned = pool is not None and total * dtype.itemsize >= IN_PLACE_MIN_BYTES
+    if owned:
+        flat = pool.empty((total,), dtype)
+    else:
+        with _group_buffers_lock:
+            flat = _group_buffers.empty((total,), dtype)
     if gaps:
         # the padding travels too, as zeros (reduced, it stays zero)
         pad = _zeros.get(dtype)
@@ -99,7 +112,7 @@ def pack_host_group(arrays: list, base: str):
     except ValueError:  # a non-contiguous member: copy those first
         parts = [a if a.flags.c_contiguous else a.copy(order="C") for a in parts]
         kernels.pack_into(flat, parts)
-    return flat, shapes
+    return flat, shapes, owned
 
 
 @lru_cache(maxsize=256)

@@ -33,6 +33,9 @@ class Entry:
     # submit), and when its response was known; for cache demotion and the timeline.
     taken: float = 0.0
     responded: float = 0.0
+    # The array is horolite's own (a packed group in the output pool): reduced in
+    # place, it becomes the result.
+    owned: bool = False
 
 
 class TensorQueue:

@@ -9,6 +9,7 @@ import logging
 import math
 import mmap
 import sys
+import threading
 import time
 from functools import lru_cache
 from typing import List, Optional, Sequence
@@ -49,7 +50,7 @@ class OutputPool:
 
     A fresh np.empty of many MiB is a new mmap whose first touch faults and
     zeroes every page: at 64 MiB that costs more than the copy into it. The
-    pool keeps the last few results per (shape, dtype) and hands one out again
+    pool keeps the last few results per dtype and hands one out again
     only when nothing but the pool refers to it (a view or a buffer export
     holds a reference, so an array still in use is never reused).
     With a result arena (transport/result_arena.py) the arrays it keeps come
@@ -58,31 +59,62 @@ class OutputPool:
     for the buffers grouped allreduces pack their members into.)
     """
     MIN_BYTES = 64 << 10
-    PER_KEY = 2
-    # What the pool may hold in all: beyond it, results are plain new arrays.
-    MAX_BYTES = 512 << 20
+    # A caller that keeps the last two steps' results (a framework applying them while
+    # the next step runs) holds two of each; the step in flight needs a third, and one
+    # more keeps the reuse from ever falling back to fresh pages when a result is
+    # released a moment late. Fresh pages cost more than the allreduce that fills them.
+    # So up to 32 arrays per dtype: four of each of a step's few result sizes.
+    MAX_ARRAYS = 32
+    # What the pool may hold in all: beyond it, results are plain new arrays (a
+    # BERT-base step is 438 MB, and its caller may hold two).
+    MAX_BYTES = 2 << 30
 
     def __init__(self, arena=None):
         self._arrays = {}
         self._held = 0
         self.arena = arena
+        # The background thread takes results here, callers the buffers they pack
+        # groups into (grouping.py), so that a group is reduced in place.
+        self._lock = threading.Lock()
 
     def empty(self, shape, dtype) -> np.ndarray:
-        nbytes = math.prod(shape) * dtype.itemsize
+        count = math.prod(shape)
+        nbytes = count * dtype.itemsize
         if nbytes < self.MIN_BYTES:
             return np.empty(shape, dtype=dtype)
-        kept = self._arrays.setdefault((shape, dtype), [])
-        for a in kept:
-            if sys.getrefcount(a) <= 3:  # the list, `a`, and getrefcount's argument
-                return a
-        if len(kept) < self.PER_KEY and self._held + nbytes <= self.MAX_BYTES:
-            a = self.arena.empty(shape, dtype) if self.arena is not None else None
+        with self._lock:
+            return self._pooled(shape, dtype, count, nbytes)
+
+    def _pooled(self, shape, dtype, count: int, nbytes: int) -> np.ndarray:
+        # Handed out as a view of the first `count` elements of the smallest free kept
+        # array that holds them (at most twice as large): a fused batch's size changes
+        # from step to step (which tensors arrived in which cycle), and kept by exact
+        # shape every new size was a fresh array.
+        best = None
+        for a in self._arrays.get(dtype, ()):
+            if count <= a.size <= 2 * count and (best is None or a.size < best.size) and \
+                    sys.getrefcount(a) <= 3:  # the list, `a`, and getrefcount's argument
+                best = a
+        if best is not None:
+            return best[:count].reshape(shape)
+        kept = self._arrays.setdefault(dtype, [])
+        size = _size_class(nbytes)
+        if len(kept) < self.MAX_ARRAYS and self._held + size <= self.MAX_BYTES:
+            n = size // dtype.itemsize
+            a = self.arena.empty((n,), dtype) if self.arena is not None else None
             if a is None:
-                a = _page_aligned_empty(shape, dtype, nbytes)
+                a = _page_aligned_empty((n,), dtype, size)
             kept.append(a)
-            self._held += nbytes
-            return a
+            self._held += size
+            return a[:count].reshape(shape)  # (a view's base is `a`: it counts there)
         return _page_aligned_empty(shape, dtype, nbytes)
+
+
+def _size_class(nbytes: int) -> int:
+    """nbytes rounded up to one of 8-16 sizes per power of two (whole pages): at most
+    12.5% larger."""
+    step = 1 << max(nbytes.bit_length() - 4, 12)
+    return -(-nbytes // step) * step
 
 
 def _page_aligned_empty(shape, dtype, nbytes: int) -> np.ndarray:
@@ -278,6 +310,15 @@ class Executor:
                 self.queue.finish_all([name for name, _, _ in done])
                 Handle.set_results([h for _, h, _ in done], [v for _, _, v in done])
             return flat.nbytes
+        entry = entries[0]
+        if entry is not None and entry.owned and first.prescale == 1.0:
+            # A group packed into the output pool: reduced in place, it is the result
+            # (through shared memory, with every rank in place, nothing is staged).
+            out = entry.array
+            self.transport.allreduce(out.reshape(-1), op, postscale, f"tensor '{first.name}'")
+            self._span(names, "ALLREDUCE", start, time.monotonic())
+            self._complete(first, entry, out)
+            return out.nbytes
         outputs = [self.outputs.empty(inputs[0].shape, inputs[0].dtype)]
         if first.prescale == 1.0:
             # No copy into the output first: the ring reads the input and writes the output.

@@ -4,14 +4,20 @@
 // horolit_complete() with the results or an error code. The wait op holds no
 // TensorFlow thread meanwhile (an AsyncOpKernel), and fails with the error
 // class the code names, which a Python op cannot choose.
+// Results 64-byte aligned and marked borrowed (a nonzero token) become the op's
+// outputs without a copy: Python keeps their arrays alive until every tensor made
+// from them is gone, which horolit_released() reports.
+#include <cstdint>
 #include <cstring>
 #include "absl/strings/str_cat.h"
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "tensorflow/core/framework/allocation_description.pb.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -20,8 +26,44 @@ using namespace tensorflow;
 
 namespace {
 
-// A finished collective's results, borrowed (from Python, during the call) or owned.
+std::mutex released_mu;
+std::vector<int64_t> released;  // tokens whose arrays Python may drop now
+
+// Python's arrays behind borrowed results: gone (reported) with the last reference.
+struct Keep {
+  int64_t token;
+  explicit Keep(int64_t t) : token(t) {}
+  ~Keep() {
+    std::lock_guard<std::mutex> lock(released_mu);
+    released.push_back(token);
+  }
+};
+
+// An output tensor on Python's memory. OwnsMemory() false: TensorFlow never forwards
+// it to an op that writes its output in place.
+class BorrowedBuffer : public TensorBuffer {
+ public:
+  BorrowedBuffer(void* data, size_t size, std::shared_ptr<Keep> keep)
+      : TensorBuffer(data), size_(size), keep_(std::move(keep)) {}
+  size_t size() const override { return size_; }
+  TensorBuffer* root_buffer() override { return this; }
+  void FillAllocationDescription(AllocationDescription* proto) const override {
+    proto->set_requested_bytes(static_cast<int64_t>(size_));
+    proto->set_allocator_name("horolite");
+  }
+  bool OwnsMemory() const override { return false; }
+
+ private:
+  size_t size_;
+  std::shared_ptr<Keep> keep_;
+};
+
+constexpr uintptr_t kAlign = 64;  // TensorFlow's (Eigen's) alignment for CPU tensors
+
+// A finished collective's results, borrowed (from Python, during the call, or until
+// `keep` is released) or owned.
 struct Results {
+  std::shared_ptr<Keep> keep;  // set: the data stays valid until it is released
   int code = 0;
   std::string message;
   std::vector<int> dtypes;
@@ -48,6 +90,22 @@ std::mutex mu;
 std::unordered_map<int64_t, Results> finished;  // done before their wait op ran
 std::unordered_map<int64_t, Waiter> waiting;    // wait ops whose collective is not done
 
+// When a result can be handed over as it is (borrowed, aligned,
+// of the expected size), it becomes the output without a copy; else it is copied.
+bool Borrow(OpKernelContext* ctx, const Results& r, int i, const TensorShape& shape) {
+  const DataType dtype = ctx->expected_output_dtype(i);
+  if (!r.keep || r.nbytes[i] == 0 || reinterpret_cast<uintptr_t>(r.data[i]) % kAlign != 0 ||
+      shape.num_elements() * static_cast<int64_t>(DataTypeSize(dtype)) != r.nbytes[i] ||
+      DataTypeSize(dtype) == 0) {
+    return false;
+  }
+  auto* buf = new BorrowedBuffer(const_cast<char*>(r.data[i]), r.nbytes[i], r.keep);
+  Tensor out(dtype, shape, buf);
+  buf->Unref();  // the tensor holds its own reference
+  ctx->set_output(i, out);
+  return true;
+}
+
 void Deliver(OpKernelContext* ctx, const Results& r) {
   if (r.code != 0) {
     ctx->SetStatus(absl::Status(static_cast<absl::StatusCode>(r.code), r.message));
@@ -69,6 +127,7 @@ void Deliver(OpKernelContext* ctx, const Results& r) {
     }
     TensorShape shape;
     for (int64_t d : r.shapes[i]) shape.AddDim(d);
+    if (Borrow(ctx, r, i, shape)) continue;
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(i, shape, &out));
     auto bytes = out->tensor_data();
@@ -80,6 +139,7 @@ void Deliver(OpKernelContext* ctx, const Results& r) {
     if (!bytes.empty()) std::memcpy(const_cast<char*>(bytes.data()), r.data[i], bytes.size());
   }
 }
+
 
 }  // namespace
 
@@ -119,11 +179,14 @@ REGISTER_KERNEL_BUILDER(Name("HorolitAsyncWait").Device(DEVICE_CPU), HorolitAsyn
 extern "C" {
 // Called (through ctypes) when handle `hid` finishes: code 0 with n results
 // (TensorFlow dtype enums, bytes, shapes), or a TensorFlow error code and message.
-// The bytes are copied into the wait op's outputs if it already runs, else kept.
+// token 0: the bytes are copied into the wait op's outputs if it already runs, else
+// kept. Otherwise Python keeps the data valid until horolit_released() returns token,
+// and aligned results become outputs without a copy.
 void horolit_complete(int64_t hid, int code, const char* message, int n, const int* dtypes,
                       const char** data, const int64_t* nbytes, const int64_t* const* shapes,
-                      const int* ndims) {
+                      const int* ndims, int64_t token) {
   Results r;
+  if (token != 0) r.keep = std::make_shared<Keep>(token);
   r.code = code;
   if (message) r.message = message;
   for (int i = 0; i < n; ++i) {
@@ -137,7 +200,7 @@ void horolit_complete(int64_t hid, int code, const char* message, int n, const i
     std::lock_guard<std::mutex> lock(mu);
     auto it = waiting.find(hid);
     if (it == waiting.end()) {
-      r.Own();
+      if (!r.keep) r.Own();
       finished[hid] = std::move(r);
       return;
     }
@@ -146,5 +209,16 @@ void horolit_complete(int64_t hid, int code, const char* message, int n, const i
   }
   Deliver(w.ctx, r);
   w.done();
+}
+
+// Moves up to `cap` released tokens into out; returns how many.
+int horolit_released(int64_t* out, int cap) {
+  std::lock_guard<std::mutex> lock(released_mu);
+  int n = 0;
+  while (n < cap && !released.empty()) {
+    out[n++] = released.back();
+    released.pop_back();
+  }
+  return n;
 }
 }

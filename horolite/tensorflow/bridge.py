@@ -165,7 +165,9 @@ def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor], copy: bool = True):
     elif tf.executing_eagerly():
         def fn(*arrays):
             return _store(submit(*([np.array(a, copy=True) for a in arrays] if copy else arrays)))
-        return _guarded(fn)(*[t.numpy() for t in tensors])
+        # np.asarray: a view of the tensor's memory (t.numpy() would copy it first); the
+        # submit copies what it keeps (above, or by packing a group) before returning.
+        return _guarded(fn)(*[np.asarray(t) for t in tensors])
     else:
         native = native_ops.load()
 
@@ -183,6 +185,7 @@ def _submit_native(native, submit: Callable, arrays) -> np.int64:
     """Submit for the native wait op: the handle's results (or the error, even one raised
     at submission) reach the op through native.complete/fail."""
     hid = next(_ids)
+    native.drain()  # the previous step's results, once TensorFlow is done with them
     try:
         handle = submit(*arrays)
     except (HorovodInternalError, NotInitializedError) as e:
@@ -260,6 +263,19 @@ def _from_runtime(result, dtype: tf.DType) -> tf.Tensor:
     return tf.convert_to_tensor(np.asarray(result).astype(dtype.as_numpy_dtype, copy=False))
 
 
+def _eager_tensor(array: np.ndarray) -> tf.Tensor:
+    """An eager tensor of a host result: on the result's own memory (through DLPack, which
+    holds the array until the tensor is gone) when it is 64-byte aligned, as TensorFlow
+    requires, else a copy (tf.convert_to_tensor always copies)."""
+    if array.ctypes.data % 64 == 0 and array.size and array.flags.c_contiguous and \
+            array.dtype.kind in "fiub" and array.dtype.isnative:
+        try:
+            return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+        except Exception:  # noqa: BLE001 - a dtype DLPack cannot carry: copied below
+            pass
+    return tf.convert_to_tensor(array)
+
+
 def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence, with_rows: bool = False) -> List[tf.Tensor]:
     """The wait op: synchronize handle `hid`; returns one tensor per dtype.
 
@@ -299,7 +315,7 @@ def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence, with_rows: bool = Fa
             out.set_shape(shape)
         return list(outs)
     if tf.executing_eagerly():
-        return [tf.convert_to_tensor(r) for r in _guarded(fetch)(hid)]
+        return [_eager_tensor(r) for r in _guarded(fetch)(hid)]
     native = native_ops.load()
     if native is not None:
         outs = native.op(hid, all_dtypes)

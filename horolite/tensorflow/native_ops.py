@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -68,7 +69,16 @@ class NativeWait:
             ctypes.c_int64, ctypes.c_int, ctypes.c_char_p, ctypes.c_int,
             ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_void_p),
             ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.POINTER(ctypes.c_int64)),
-            ctypes.POINTER(ctypes.c_int)]
+            ctypes.POINTER(ctypes.c_int), ctypes.c_int64]
+        self._released = lib.horolit_released
+        self._released.restype = ctypes.c_int
+        self._released.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+        self._released_buf = (ctypes.c_int64 * 256)()
+        # token -> the arrays behind results the op handed to TensorFlow without a copy,
+        # kept until every tensor made from them is gone (then the output pool reuses them)
+        self._lent = {}
+        self._tokens = itertools.count(1)
+        self._lent_lock = threading.Lock()
         self.path = path
 
     def op(self, hid, dtypes: Sequence[tf.DType]):
@@ -76,9 +86,22 @@ class NativeWait:
 
     def fail(self, hid: int, exc: BaseException) -> None:
         msg = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
-        self._complete(int(hid), error_code(exc), msg, 0, None, None, None, None, None)
+        self._complete(int(hid), error_code(exc), msg, 0, None, None, None, None, None, 0)
+
+    def drain(self) -> None:
+        """Drop the arrays of results TensorFlow no longer uses."""
+        buf = self._released_buf
+        while True:
+            n = self._released(buf, len(buf))
+            if not n:
+                return
+            with self._lent_lock:
+                for token in buf[:n]:
+                    self._lent.pop(token, None)
 
     def complete(self, hid: int, arrays: Sequence[np.ndarray]) -> None:
+        """Hand the results to the wait op: 64-byte aligned ones as they are (the
+        arrays are kept here until TensorFlow drops them), others copied."""
         arrays = [a if a.flags.c_contiguous else np.array(a, order="C") for a in arrays]  # (keeps 0-d)
         n = len(arrays)
         dtypes = (ctypes.c_int * n)(*[tf.as_dtype(a.dtype).as_datatype_enum for a in arrays])
@@ -88,7 +111,11 @@ class NativeWait:
         shapes = (ctypes.POINTER(ctypes.c_int64) * n)(
             *[ctypes.cast(d, ctypes.POINTER(ctypes.c_int64)) for d in dims])
         ndims = (ctypes.c_int * n)(*[a.ndim for a in arrays])
-        self._complete(int(hid), 0, None, n, dtypes, data, nbytes, shapes, ndims)
+        token = next(self._tokens)
+        with self._lent_lock:
+            self._lent[token] = arrays
+        self._complete(int(hid), 0, None, n, dtypes, data, nbytes, shapes, ndims, token)
+        self.drain()
 
 
 _lock = threading.Lock()

@@ -37,7 +37,7 @@ _WORDS = {"staged": _lib.HL_SHM_STAGED, "reduced": _lib.HL_SHM_REDUCED,
 WATCH_TICK = 0.25
 # Address space for each rank's result arena; memory is used only as the
 # output pool fills it, and the pool keeps at most half of this.
-ARENA_BYTES = 1 << 30
+ARENA_BYTES = 4 << 30
 
 
 class SharedMemoryAllreduce:

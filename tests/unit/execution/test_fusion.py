@@ -45,23 +45,46 @@ def test_different_dtype_op_scale_or_kind_break_batches():
 def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
     from horolite.execution.executor import OutputPool
     pool = OutputPool()
+    pool.MAX_ARRAYS = 2  # (the default keeps more: enough for a caller holding two steps' results)
     f32 = np.dtype(np.float32)
-    a = pool.empty((1 << 18,), f32)  # 1 MiB: pooled
+    a = pool.empty((1 << 18,), f32)  # 1 MiB: pooled (views of kept arrays)
     b = pool.empty((1 << 18,), f32)
-    assert a is not b and pool._held == 2 << 20
+    assert a.base is not b.base and pool._held == 2 << 20
     view = a[:4]
-    a_id = id(a)
+    a_base = a.base
     del a
     c = pool.empty((1 << 18,), f32)  # a lives on through the view, b is held: a new array
-    assert id(c) != a_id and c is not b and c is not view.base
-    b_id = id(b)
+    assert c.base is not a_base and c.base is not b.base and view.base is a_base
+    del a_base
+    b_id = id(b.base)
     del b, c
-    assert id(pool.empty((1 << 18,), f32)) == b_id  # dropped: handed out again
+    assert id(pool.empty((1 << 18,), f32).base) == b_id  # dropped: handed out again
+    # another shape of the same size class: the same kept array, shaped as asked
+    d = pool.empty((1000, 260), f32)
+    assert d.shape == (1000, 260) and id(d.base) == b_id and d.flags.c_contiguous
+    del d
     assert pool.empty((10,), f32).nbytes == 40 and pool._held == 2 << 20  # small: not pooled
     pool.MAX_BYTES = 2 << 20
     for _ in range(3):
         pool.empty((1 << 19,), f32)  # 2 MiB each, over the cap: never kept
     assert pool._held == 2 << 20
+
+
+def test_output_pool_reuses_while_the_caller_holds_two_steps_results():
+    import collections
+    from horolite.execution.executor import OutputPool
+    pool = OutputPool()
+    f32 = np.dtype(np.float32)
+    held = collections.deque(maxlen=2)  # the last two steps' results, as views
+    seen = set()
+    for step in range(12):
+        # a fused batch's size moves a little from step to step
+        out = pool.empty(((1 << 18) - 64 * (step % 3),), f32)
+        assert all(out.base is not h.base for h in held)  # never one the caller still holds
+        seen.add(id(out.base))
+        held.append(out[1:])
+        del out
+    assert len(seen) == 3 and pool._held == 3 << 20  # no fresh array after the third step
 
 
 def test_group_layout_pads_members_to_64_bytes():
