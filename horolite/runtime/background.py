@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 from mpi4py import MPI
 
 from ..core import config as config_mod
+from ..core.hosts import host_name, split_by_host
 from ..coordination import wire
 from ..coordination.autotune import Autotuner, parse_start
 from ..coordination.control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
@@ -59,7 +60,7 @@ class Topology:
     def __init__(self, comm: MPI.Comm):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        local = split_by_host(comm)
         self.local_rank = local.Get_rank()
         self.local_size = local.Get_size()
         cross = comm.Split(color=self.local_rank, key=self.rank)
@@ -67,7 +68,7 @@ class Topology:
         self.cross_size = cross.Get_size()
         local_sizes = comm.allgather(self.local_size)
         self.is_homogeneous = len(set(local_sizes)) == 1
-        self.hostname = MPI.Get_processor_name()
+        self.hostname = host_name()
         local.Free()
         cross.Free()
 
