@@ -7,3 +7,16 @@ if not os.environ.get("HOROLITE_UNDER_MPIRUN"):
 
 import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What ran inside the mpirun jobs: the driver's count above says only how many jobs."""
+    mpirun = sys.modules.get("mpirun")
+    if mpirun is None or not mpirun.RESULTS["jobs"]:
+        return
+    res = mpirun.RESULTS
+    terminalreporter.write_sep("=", "rank side (every rank of every mpirun job)")
+    terminalreporter.write_line(f"{res['jobs']} jobs: {res['passed']} passed, {res['skipped']} skipped "
+                                "(each skip expected on this machine)")
+    for reason, count in sorted(res["reasons"].items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"  {count:6d} skipped: {reason}")
