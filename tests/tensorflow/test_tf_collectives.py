@@ -15,13 +15,32 @@ import tensorflow as tf
 import horolite.tensorflow as hvd
 from horolite.tensorflow import native_ops
 from mpi4py import MPI
-from tf_modes import MODES, run, value
+from tf_modes import MODES, NATIVE, run, value
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-# The native wait op is built wherever there is a C++ compiler (CI has one).
-NATIVE = native_ops.load() is not None
 GRAPH_MISMATCH_ERROR = tf.errors.FailedPreconditionError if NATIVE else tf.errors.InvalidArgumentError
+
+
+@pytest.mark.parametrize("mode", ["function", "graph"])
+def test_the_wait_op_in_graphs_is_the_one_this_run_expects(mode):
+    # The native op where the driver did not turn it off (it must have built), else the
+    # Python fallback: read from the graph the collectives are in.
+    assert (native_ops.load() is not None) == NATIVE, "the native wait op did not load"
+    x = tf.constant(value(R))
+    if mode == "function":
+        graph = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum)).get_concrete_function(x).graph
+    else:
+        graph = tf.Graph()
+        with graph.as_default():
+            hvd.allreduce(tf.constant(value(R)), op=hvd.Sum)
+    types = {op.type for op in graph.get_operations()}
+    if NATIVE:  # (the enqueue stays a Python op; the wait is the native one)
+        assert "HorolitAsyncWait" in types, types
+    else:
+        assert "HorolitAsyncWait" not in types and types & {"PyFunc", "EagerPyFunc"}, types
+    np.testing.assert_array_equal(run(mode, lambda t: hvd.allreduce(t, op=hvd.Sum), value(R)),
+                                  sum(value(r) for r in range(N)))
 
 
 @pytest.mark.parametrize("mode", MODES)

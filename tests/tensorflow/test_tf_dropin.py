@@ -16,14 +16,12 @@ import pytest
 import tensorflow as tf
 
 import horolite.tensorflow as hvd
-from horolite.tensorflow import native_ops
 from mpi4py import MPI
-from tf_modes import MODES, run, value
+from tf_modes import MODES, NATIVE, run, value
 from float16_sums import rounding_sums
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-NATIVE = native_ops.load() is not None
 
 
 def everyone(shape=(2, 3), dtype=np.float32):
@@ -147,7 +145,7 @@ def test_uint16_int16_every_collective(dtype, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_error_classes_are_horovods(mode):
     if mode != "eager" and not NATIVE:
-        pytest.skip("without the native wait op, TensorFlow picks a Python op's error class")
+        pytest.skip("HOROLITE_TF_NATIVE_OPS=0 in this run: TensorFlow picks a Python op's error class")
     shape = np.ones((R + 1, 2), np.float32)
     cases = [
         (tf.errors.FailedPreconditionError, "shape", lambda t: hvd.allreduce(t, name="mm.shape"), shape),
@@ -204,7 +202,7 @@ def test_tf1_session_many_independent_collectives_cannot_deadlock(threads):
     # build them in the opposite order, so TensorFlow runs them in different orders on
     # different ranks; a wait must never hold the (here possibly single) inter-op thread.
     if not NATIVE:
-        pytest.skip("needs the native wait op (the Python wait op holds a thread)")
+        pytest.skip("HOROLITE_TF_NATIVE_OPS=0 in this run (a Python wait op holds a thread)")
     count = 24
     order = range(count) if R % 2 == 0 else reversed(range(count))
     with tf.Graph().as_default():

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import horolite.tensorflow as hvd
-from horolite.tensorflow import native_ops
+from tf_modes import NATIVE
 from mpi4py import MPI
 
 hvd.init()
@@ -174,7 +174,7 @@ def test_graph_step_request_ops(case):
         np.testing.assert_allclose(g, e, **tol)
     ops = grads.get_concrete_function().graph.get_operations()
     names = [op.name for op in ops if op.type in ("PyFunc", "EagerPyFunc", "HorolitAsyncWait")]
-    if case == "two_groups" or native_ops.load() is not None:
+    if case == "two_groups" or NATIVE:
         # (with the native wait op, a wait holds no thread: always an enqueue and a wait)
         groups = 2 if case == "two_groups" else 1
         assert sum("HorolitEnqueue" in n for n in names) == groups, names
@@ -197,8 +197,7 @@ def test_graph_step_mismatch_names_the_gradient_then_works(sources):
             loss = tf.add_n([tf.reduce_sum(v * v) for v in [odd, *extra]])
         return hvd.DistributedGradientTape(t).gradient(loss, [odd, *extra])
 
-    native = native_ops.load() is not None
-    with pytest.raises(tf.errors.FailedPreconditionError if native else tf.errors.InvalidArgumentError,
+    with pytest.raises(tf.errors.FailedPreconditionError if NATIVE else tf.errors.InvalidArgumentError,
                        match="odd_one") as info:
         grads()
     message = str(info.value)
