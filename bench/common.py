@@ -296,7 +296,9 @@ def finish(comm, args, name: str, payload: dict, columns: Sequence[str],
         "targets": [t.as_dict() for t in targets],
     }
     base = os.path.splitext(out)[0]
-    png = base + ".png"
+    # plots live beside the docs that show them (docs/images), the JSON beside the scripts
+    png = (os.path.join(ROOT, "docs", "images", os.path.basename(base) + ".png")
+           if args.out is None else base + ".png")
     doc["plot"] = None
     if plot is not None and not args.no_plot:
         try:

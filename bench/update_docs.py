@@ -49,7 +49,7 @@ def section(title, name):
             f"processes kept {round(100 * d['other_processes_busy_fraction'])}% of the cores busy.\n\n"
             f"{results_table(name)}\n")
     if d.get("plot"):
-        text += f"![{name}](../bench/results/{name}.png)\n"
+        text += f"![{name}](images/{name}.png)\n"
     return text
 
 

@@ -3,7 +3,8 @@
 Every line comes from a real check in a subprocess (a broken library cannot
 take the launcher down, and the checks run in parallel): TensorFlow is
 imported, mpi4py reports the MPI library it is linked to, mpirun is asked for
-its version, and NCCL counts only if CuPy imports, sees a GPU and loads NCCL.
+its version, and NCCL counts only if CuPy imports, sees a GPU and loads NCCL (the
+line also names the CUDA driver's version and the CuPy and NCCL wheels found).
 """
 from __future__ import annotations
 
@@ -44,11 +45,14 @@ else:
     print(json.dumps({"ok": True, "detail": f"{lib}; mpi4py {mpi4py.__version__}"}))
 """
 
-# One definition of "NCCL is usable": the runtime's own (CuPy imports, a GPU, NCCL loads).
+# One definition of "NCCL is usable": the runtime's own (CuPy imports, a GPU, NCCL loads);
+# then the CUDA stack found (driver, CuPy and NCCL wheels), usable or not.
 _NCCL = """
 import json
+from horolite.core.cuda_info import cuda_stack
 from horolite.core.device import nccl_status
 ok, text = nccl_status()
+text = f"{text}; {cuda_stack()}"
 print(json.dumps({"ok": ok, "detail": text} if ok else {"ok": False, "reason": text}))
 """
 

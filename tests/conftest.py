@@ -8,6 +8,13 @@ if not os.environ.get("HOROLITE_UNDER_MPIRUN"):
 import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# With tests/ on sys.path, `import tensorflow` where TensorFlow is not installed would
+# import tests/tensorflow/ as a namespace package, and pytest.importorskip("tensorflow")
+# would go on to fail ("no attribute 'config'"): make that import fail as it should.
+import importlib.util  # noqa: E402
+_tf_spec = importlib.util.find_spec("tensorflow")
+if _tf_spec is not None and _tf_spec.origin is None:
+    sys.modules["tensorflow"] = None
 
 def pytest_terminal_summary(terminalreporter):
     """What ran inside the mpirun jobs: the driver's count above says only how many jobs."""

@@ -134,3 +134,24 @@ def test_quorum_stragglers(tmp_path):
     doc = run_bench("quorum_stragglers", tmp_path)
     assert set(doc["median_seconds_per_step"]) == {"all", "quorum", "no straggler"}
     assert min(doc["median_seconds_per_step"].values()) > 0 and doc["all_vs_quorum"] > 0
+
+
+def test_gpu_allreduce(tmp_path):
+    """On a GPU machine: the staged path at np 2 (or NCCL where each rank has a GPU);
+    without one the script says why it skipped and writes nothing."""
+    from horolite.core.device import cuda_device_count, nccl_status
+    if cuda_device_count() == 0:
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = tmp_path / "gpu_allreduce.json"
+        proc = subprocess.run(mpirun_command(2) + [sys.executable,
+                                                   os.path.join(ROOT, "bench", "gpu_allreduce.py"),
+                                                   "--tiny", "--out", str(out)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"gpu_allreduce skipped: {nccl_status()[1]}" in proc.stdout
+        assert not out.exists()
+        pytest.skip(f"no GPU here: {nccl_status()[1]}")
+    doc = run_bench("gpu_allreduce", tmp_path)
+    assert doc["mode"] in ("nccl", "staged") and doc["gpu"]
+    key = "copy_over_horolite" if doc["mode"] == "nccl" else "staged_over_host_plus_copies"
+    assert all(r[key] > 0 for r in doc["rows"])

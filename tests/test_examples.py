@@ -1,4 +1,4 @@
-"""Every example runs under horolite-run on 2 ranks (the README's main job among them)."""
+"""Every example runs under horolite-run on 2 ranks (the main job of the README among them)."""
 import importlib.util
 import os
 import re

@@ -16,6 +16,7 @@ import numpy as np
 from ..coordination.quorum import check_quorum
 from ..coordination.tensor_queue import Entry
 from ..core import device as _device
+from ..core import staging
 from ..core.handle import Handle
 from ..core.messages import JOIN_NAME, Kind, Request
 from ..core.ops import MOVABLE_DTYPES, REDUCIBLE_DTYPES, Average, ReduceOp, dtype_name
@@ -62,7 +63,7 @@ def _as_array(array, name: str, kind: Kind, rt=None) -> np.ndarray:
         # The kernels read native byte order: a big-endian array on this host is converted
         # (the values are the same), and the result comes back in native order.
         arr = arr.astype(arr.dtype.newbyteorder("="))
-    elif not (arr.flags.c_contiguous and arr.flags.aligned):
+    elif _device.needs_contiguous_copy(arr):
         arr = arr.copy(order="C")  # (np.ascontiguousarray would turn scalars into 1-d)
     return arr
 
@@ -105,8 +106,16 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
         request = Request(name, kind, "", (), **fields)
     else:
         if array.__class__ is not np.ndarray and not isinstance(array, np.ndarray):
-            fields.setdefault("device", _device.CUDA)  # a CuPy array from _as_array: GPU path
-            ready = _device.record_ready(array)
+            # A CuPy array from _as_array: over NCCL, or through host memory when NCCL is off.
+            route, why = staging.device_route(getattr(rt, "nccl", None) is not None,
+                                              getattr(rt, "nccl_reason", ""))
+            if route == staging.NCCL:
+                fields.setdefault("device", _device.CUDA)
+                ready = _device.record_ready(array)
+            else:
+                staging.warn_once(why)
+                transform = staging.returning_on(array.device.id, transform)
+                array = staging.to_pinned_host(array)
         request = Request(name, kind, dtype_name(array.dtype), array.shape, **fields)
     handle = (SetHandle(name, transform, rt.set_label) if rt.set_label else
               Handle(name, transform))
@@ -290,7 +299,7 @@ def alltoall_async(array, splits=None, name: Optional[str] = None,
         rows = np.full(n, arr.shape[0] // n, dtype=np.int64)
         transform = lambda result: result[0]
     else:
-        rows = np.asarray(splits, dtype=np.int64).reshape(-1)
+        rows = _device.host_ints(splits)
         if rows.size != n or (rows < 0).any() or int(rows.sum()) != arr.shape[0]:
             raise InvalidCollectiveError(
                 f"tensor '{name}': splits {rows.tolist()} must have {n} non-negative entries "

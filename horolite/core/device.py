@@ -35,8 +35,7 @@ from .config import env_value
 from ..errors import InvalidCollectiveError
 
 __all__ = ["CPU", "CUDA", "is_device_array", "device_kind", "device_string", "as_cupy",
-           "device_input", "record_ready", "select_device", "device_for_rank", "parse_device_override", "nccl_status", "cuda_device_count",
-           "tf_to_cupy", "cupy_to_tf"]
+           "device_input", "record_ready", "needs_contiguous_copy", "host_ints", "select_device", "device_for_rank", "parse_device_override", "nccl_status", "cuda_device_count"]
 
 CPU = "cpu"
 CUDA = "cuda"
@@ -126,24 +125,41 @@ def _from_dlpack(cupy, obj):
         # Producers that refuse the handshake (TensorFlow: "does not support DLPack export
         # with a non-None stream"): take the plain capsule and wait for the whole device.
         array = cupy.from_dlpack(obj.__dlpack__())
+        if array.nbytes:
+            # TensorFlow writes its own (logical) GPU index into the capsule: ask the
+            # driver which device the memory is really on (tf_dlpack.py says why).
+            actual = cupy.cuda.runtime.pointerGetAttributes(array.data.ptr).device
+            if actual != array.device.id:
+                array = relabelled(cupy, array, actual)
         with array.device:
             cupy.cuda.runtime.deviceSynchronize()
         return array
 
 
+def relabelled(cupy, array, device_id: int):
+    """A view of `array`'s memory that says it is on `device_id` (keeps `array` alive).
+
+    For DLPack producers whose device id is not the CUDA ordinal (TensorFlow's
+    logical GPU index), in either direction.
+    """
+    memory = cupy.cuda.UnownedMemory(array.data.ptr, array.nbytes, array, device_id)
+    return cupy.ndarray(array.shape, array.dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        strides=array.strides)
+
+
 def device_input(obj, name: str, rt):
     """The CuPy array a collective works on, after checking it can go over NCCL on this rank.
 
-    `rt` is the Runtime: its `nccl` transport (None when NCCL is off, with the
-    reason in `nccl_reason`) says which device this rank uses.
+    `rt` is the Runtime: its `nccl` transport says which device this rank uses;
+    when it is None (NCCL off, the reason in `nccl_reason`) any device will do,
+    as the array is then staged through host memory.
     """
     transport = getattr(rt, "nccl", None)
-    if transport is None:
-        raise InvalidCollectiveError(
-            f"tensor '{name}' is on {device_string(obj)} but horolite has no NCCL transport on "
-            f"this rank ({getattr(rt, 'nccl_reason', 'not set up')}); pass a host array instead")
     array = as_cupy(obj)
-    if array.device.id != transport.device_id:
+    if transport is None:
+        # NCCL is off for the job: the collective stages it through host memory (staging.py).
+        pass
+    elif array.device.id != transport.device_id:
         raise InvalidCollectiveError(
             f"tensor '{name}' is on cuda:{array.device.id} but this rank's NCCL communicator "
             f"uses cuda:{transport.device_id} (chosen from the local rank, or by "
@@ -161,6 +177,25 @@ def record_ready(array):
         event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
         event.record(cupy.cuda.get_current_stream())
     return event
+
+
+def needs_contiguous_copy(arr) -> bool:
+    """Whether the kernels need a C-contiguous copy of `arr` (NumPy or CuPy).
+
+    CuPy's flags have no `aligned` (its allocator hands out aligned device
+    memory, and a view cannot be misaligned for its dtype): only contiguity is
+    asked of a device array.
+    """
+    flags = arr.flags
+    return not (flags.c_contiguous and getattr(flags, "aligned", True))
+
+
+def host_ints(values) -> np.ndarray:
+    """Integer metadata (alltoall's splits) as host int64, also from device memory (a CuPy
+    array refuses np.asarray; TensorFlow GPU splits arrive as one)."""
+    if is_device_array(values):
+        values = (values if hasattr(values, "get") else as_cupy(values)).get()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 # ---- device selection ----
@@ -254,7 +289,13 @@ def _probe() -> Tuple[bool, str, int]:
     major, minor, patch = version // 10000, version // 100 % 100, version % 100
     if version < 10000:  # NCCL 2.8 and older encode x.y.z as x*1000 + y*100 + z
         major, minor, patch = version // 1000, version // 100 % 10, version % 100
-    return True, f"NCCL {major}.{minor}.{patch} with {count} CUDA device(s), CuPy {cupy.__version__}", count
+    try:
+        built = cupy.cuda.runtime.runtimeGetVersion()
+        built = f" (CUDA {built // 1000}.{built % 1000 // 10})"
+    except Exception:  # a CuPy without the runtime call: the wheel's name says it (cuda_info)
+        built = ""
+    return True, (f"NCCL {major}.{minor}.{patch} with {count} CUDA device(s), "
+                  f"CuPy {cupy.__version__}{built}"), count
 
 
 def nccl_status() -> Tuple[bool, str]:
@@ -278,37 +319,3 @@ def cuda_device_count() -> int:
     """Visible CUDA devices (0 when there is no usable driver or no CuPy)."""
     nccl_status()
     return _device_count or 0
-
-
-# ---- TensorFlow <-> CuPy, for the TensorFlow adapter ----
-def tf_to_cupy(tensor, synchronize: bool = True):
-    """A CuPy array sharing a TensorFlow GPU tensor's memory (through DLPack, no copy).
-
-    TensorFlow runs GPU work on its own streams, which CuPy's streams know
-    nothing about; with `synchronize` (the default) the tensor's device is
-    synchronized first so the data is complete before horolite reads it. Pass
-    False only when the caller has made sure of that itself.
-    """
-    where = _dlpack_device(tensor)
-    if where is None or where[0] not in _DLPACK_CUDA:
-        raise ValueError(f"tf_to_cupy needs a tensor in GPU memory; this one is on "
-                         f"{getattr(tensor, 'device', where)} (use tensor.numpy() for host tensors)")
-    import tensorflow as tf
-    cupy = _cupy()
-    capsule = tf.experimental.dlpack.to_dlpack(tensor)
-    array = cupy.from_dlpack(capsule)
-    if synchronize:
-        with cupy.cuda.Device(array.device.id):
-            cupy.cuda.runtime.deviceSynchronize()
-    return array
-
-
-def cupy_to_tf(array):
-    """A TensorFlow tensor sharing a CuPy array's memory (through DLPack, no copy).
-
-    horolite completes a device collective only after its stream has finished,
-    so a result handed back this way is ready for TensorFlow to read.
-    """
-    import tensorflow as tf
-    capsule = array.toDlpack() if hasattr(array, "toDlpack") else array.__dlpack__()
-    return tf.experimental.dlpack.from_dlpack(capsule)

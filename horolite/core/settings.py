@@ -2,10 +2,10 @@
 
 The runtime's ``Config`` (config.py), the parsing of ``HOROLITE_*``/
 ``HOROVOD_*`` variables, horolite-run's tunable flags, the keys of a
-horovodrun ``--config-file`` and the README's configuration tables are all
+horovodrun ``--config-file`` and the configuration tables of docs/configuration.md are all
 made from ``SETTINGS`` and ``NOT_HONOURED``, so they cannot drift apart.
 
-    python -m horolite.core.settings --markdown   # the README's tables
+    python -m horolite.core.settings --markdown   # docs/configuration.md's tables
 """
 from __future__ import annotations
 

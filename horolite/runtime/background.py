@@ -126,7 +126,7 @@ class Runtime(JobEnd):
         self._mark_cycles = cfg.timeline_mark_cycles
         self.executor = Executor(self.transport, self.queue, cfg.fusion_threshold, self.timeline)
         # GPU path (device.py, transport/nccl.py): collective over comm; NCCL only when every
-        # rank has a GPU, else None and the reason device arrays are refused.
+        # rank has a GPU, else None and the reason (device arrays are then staged, core/staging.py).
         self.nccl, self.nccl_reason = create_nccl_transport(comm, self.topology.local_rank)
         if self.nccl is not None:
             from ..execution.device_executor import DeviceExecutor

@@ -15,9 +15,11 @@ of the step. Enqueues never block, so no TensorFlow thread can sit in a wait
 while a tensor that another rank is waiting for still needs a thread to be
 enqueued: no cross-rank deadlock whatever order TensorFlow schedules in.
 
-On a GPU job (NCCL up on every rank) the two ops are `tf.py_function`s instead,
-so GPU tensors reach the runtime through DLPack and travel over NCCL without a
-host copy; host tensors in the same job still go through NumPy.
+On a GPU job (NCCL up on every rank, and TensorFlow sees a GPU) the two ops are
+`tf.py_function`s instead, so GPU tensors reach the runtime through DLPack and
+travel over NCCL without a host copy; host tensors in the same job still go
+through NumPy. Which tensor goes which way, and which ops a graph gets, is
+decided in gpu_route.py.
 
 Names: an explicit name is used as given in eager mode; in graphs it is made
 unique within the graph (`graph.unique_name`), and a missing name is derived
@@ -41,7 +43,7 @@ from horolite.api.collectives import _grouped_allreduce_async
 from horolite.errors import HorovodInternalError, NotInitializedError
 from horolite.core.ops import Average, ReduceOp
 
-from . import native_ops
+from . import gpu_route, native_ops
 
 __all__ = ["enqueue_allreduce", "enqueue_grouped_allreduce", "grouped_allreduce_submit", "wait",
            "run_alone", "to_tf_error", "graph_unique_name"]
@@ -150,7 +152,9 @@ def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor], copy: bool = True):
     allreduce packs its members, see collectives._grouped_allreduce_async)."""
     # Copy: the runtime keeps the array after this op returns, and must never
     # hold (or be the last to release) memory that TensorFlow owns.
-    if _nccl_active():
+    if not tf.executing_eagerly():
+        _refuse_xla()
+    if _device_ops([t.dtype for t in tensors]):
         # GPU job: tf.py_function hands over the tensors where they live, and GPU
         # tensors go to the runtime through DLPack, so they travel over NCCL.
         def fn(*ts):
@@ -210,19 +214,48 @@ def _nccl_active() -> bool:
         return False
 
 
+def _device_ops(dtypes: Sequence[tf.DType]) -> bool:
+    """Eagerly: NCCL is up (each tensor is then routed by where its memory is). In a
+    graph: gpu_route.device_ops, so ops that can only see host memory keep the host
+    ops (the native wait op included)."""
+    if not _nccl_active():
+        return False  # (the host path: nothing more to ask)
+    if tf.executing_eagerly():
+        return True
+    return gpu_route.device_ops(True, _tf_gpu_count(), [d.name for d in dtypes])
+
+
+_tf_gpus: List[int] = []
+
+
+def _tf_gpu_count() -> int:
+    """How many GPUs TensorFlow has (fixed once its runtime is up; 0 for a CPU build)."""
+    if not _tf_gpus:
+        _tf_gpus.append(len(tf.config.list_logical_devices("GPU")))
+    return _tf_gpus[0]
+
+
+def _refuse_xla() -> None:
+    """horolite's ops are Python ops, which XLA cannot compile: say so instead of XLA's
+    generic "unsupported operations" (Keras turns XLA on by itself on GPU machines)."""
+    from tensorflow.python.ops import control_flow_util
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError("horolite's collectives cannot run inside an XLA-compiled function "
+                         "(jit_compile=True): compile the model or tf.function with "
+                         "jit_compile=False")
+
+
 def _to_runtime(t: tf.Tensor):
-    """A GPU tensor as a CuPy copy made on the device (DLPack view, then a device copy:
-    TensorFlow may reuse the tensor's memory once the op returns); a host tensor as a
-    NumPy copy."""
-    if "GPU" in (t.device or ""):
-        from horolite.core.device import tf_to_cupy
-        return tf_to_cupy(t).copy()
+    """A tensor in GPU memory as a CuPy copy on its own GPU (gpu_route.route decides, from
+    where the memory is: inside a py_function t.device says CPU); else a NumPy copy."""
+    if gpu_route.tensor_route(t, True)[0] == gpu_route.CUDA:
+        return gpu_route.to_device_array(t)
     return np.array(t.numpy(), copy=True)
 
 
 def _from_runtime(result, dtype: tf.DType) -> tf.Tensor:
     if hasattr(result, "__cuda_array_interface__"):
-        from horolite.core.device import cupy_to_tf
+        from horolite.core.tf_dlpack import cupy_to_tf
         return tf.cast(cupy_to_tf(result), dtype)
     return tf.convert_to_tensor(np.asarray(result).astype(dtype.as_numpy_dtype, copy=False))
 
@@ -253,7 +286,7 @@ def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence, with_rows: bool = Fa
         result, rows = results(h)
         return [np.asarray(r).astype(d, copy=False) for r, d in zip(result, np_dtypes)] + rows
 
-    if _nccl_active():
+    if _device_ops(dtypes):
         def fetch_tensors(h):
             result, rows = results(int(h))
             return [_from_runtime(r, d) for r, d in zip(result, dtypes)] + \
@@ -288,8 +321,9 @@ def run_alone(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes,
     can be held up behind its wait. One Python op instead of two saved 0.3 ms a
     step on this VM after a compute-heavy step. GPU jobs and eager calls keep the
     enqueue/wait pair. (TensorFlow converts what fn returns to `dtypes` itself.)"""
-    if tf.executing_eagerly() or _nccl_active() or native_ops.load() is not None:
+    if tf.executing_eagerly() or _device_ops(dtypes) or native_ops.load() is not None:
         return wait(_enqueue(submit, tensors, copy), dtypes, shapes)
+    _refuse_xla()
 
     def fn(*arrays):
         if copy:
@@ -324,9 +358,9 @@ def grouped_allreduce_submit(name: Optional[str], op=Average, prescale_factor: f
                              postscale_factor: float = 1.0, process_set=None):
     """(submit, copy) for _enqueue or run_alone: a group's arrays into one request."""
     op, pre, post = ReduceOp(op), float(prescale_factor), float(postscale_factor)
-    # Host path: no copy of every tensor first, packing the group is the copy
-    # (borrowed). The GPU path's _to_runtime copies every tensor already.
-    borrowed = not _nccl_active()
+    # No copy of every tensor first, packing the group is the copy (borrowed); device
+    # arrays (the GPU path's _to_runtime copies them already) are never copied again.
+    borrowed = True
     return (lambda *a: _grouped_allreduce_async(list(a), op, name, pre, post, borrowed=borrowed,
                                                 process_set=process_set),
             not borrowed)

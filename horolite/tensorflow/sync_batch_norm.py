@@ -41,6 +41,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
             raise ValueError("SyncBatchNormalization does not support fused=True")
         kwargs.pop("synchronized", None)  # tf.distribute's own synchronization; not ours
         super().__init__(**kwargs)
+        # Its allgather is a Python op XLA cannot compile: Keras then keeps a model holding
+        # this layer off XLA, which it otherwise turns on by itself on GPU machines.
+        self.supports_jit = False
 
     def _moments(self, inputs, mask):
         if _core.size() == 1:

@@ -24,12 +24,14 @@ import numpy as np
 
 from ..core import device as device_mod
 from ..core.ops import ReduceOp
+from .shared_gpu_switch import SHARED_GPU_TEST_SWITCH, shared_gpu_host_id, shared_gpu_test_switch
 
 if TYPE_CHECKING:  # annotations only: importing mpi4py.MPI would start MPI
     from mpi4py import MPI
 
 __all__ = ["NCCL_UNIQUE_ID_BYTES", "exchange_unique_id", "unique_id_to_bytes", "NCCLTransport",
-           "create_nccl_transport", "decide_nccl", "device_scale", "device_copy", "RS_AG_MIN_BYTES"]
+           "create_nccl_transport", "decide_nccl", "device_scale", "device_copy", "RS_AG_MIN_BYTES",
+           "SHARED_GPU_TEST_SWITCH", "shared_gpu_test_switch", "shared_gpu_host_id"]
 
 _log = logging.getLogger("horolite.nccl")
 
@@ -318,11 +320,13 @@ def _gpu_identity(device_id: int) -> str:
         return f"ordinal {device_id} of CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}"
 
 
-def decide_nccl(answers: Sequence[Tuple[bool, str, str, str]]) -> Tuple[bool, str]:
+def decide_nccl(answers: Sequence[Tuple[bool, str, str, str]],
+                allow_shared: bool = False) -> Tuple[bool, str]:
     """Whether the job uses NCCL, from every rank's (ok, reason, host, GPU identity).
 
     Pure, and run on every rank with the same answers, so all ranks agree. NCCL
-    needs every rank to have a GPU, and one GPU per rank.
+    needs every rank to have a GPU, and one GPU per rank (unless `allow_shared`,
+    the test switch, which every rank must have had on).
     """
     missing = [(r, why) for r, (good, why, _, _) in enumerate(answers) if not good]
     if missing and len(missing) == len(answers):
@@ -336,6 +340,8 @@ def decide_nccl(answers: Sequence[Tuple[bool, str, str, str]]) -> Tuple[bool, st
     for r, (_, _, host, gpu) in enumerate(answers):
         sharing.setdefault((host, gpu), []).append(r)
     shared = [(host, gpu, ranks) for (host, gpu), ranks in sharing.items() if len(ranks) > 1]
+    if shared and allow_shared:
+        return True, f"{answers[0][1]} (test switch: ranks share a GPU, one NCCL host id each)"
     if shared:
         host, gpu, ranks = shared[0]
         return False, (f"ranks {', '.join(map(str, ranks))} on {host} would share one GPU ({gpu}); "
@@ -352,6 +358,13 @@ def create_nccl_transport(comm: "MPI.Comm", local_rank: int) -> Tuple[Optional[N
     all (decide_nccl), so every rank takes the same branch and neither the id
     exchange nor NCCL's communicator set-up waits for a rank that is not coming.
     """
+    from mpi4py import MPI
+    host = MPI.Get_processor_name()
+    switch = shared_gpu_test_switch()
+    if switch:
+        # Before this process's first NCCL call that could read it (NCCL may keep its host
+        # hash once computed); a rank id of its own makes NCCL see the ranks as hosts.
+        os.environ["NCCL_HOSTID"] = shared_gpu_host_id(host, MPI.COMM_WORLD.Get_rank())
     ok, reason = device_mod.nccl_status()
     device_id, gpu = -1, ""
     if ok:
@@ -360,14 +373,19 @@ def create_nccl_transport(comm: "MPI.Comm", local_rank: int) -> Tuple[Optional[N
             gpu = _gpu_identity(device_id)
         except ValueError as exc:
             ok, reason = False, str(exc)
-    from mpi4py import MPI
-    answers = comm.allgather((ok, reason, MPI.Get_processor_name(), gpu))
-    go, why = decide_nccl(answers)
+    gathered = comm.allgather(((ok, reason, host, gpu), switch))
+    answers = [answer for answer, _ in gathered]
+    allow_shared = all(on for _, on in gathered)
+    go, why = decide_nccl(answers, allow_shared)
     if not go:
         if comm.Get_rank() == 0 and any(answer[0] for answer in answers):
             # Some rank has a GPU, so someone may expect NCCL: say why it is off.
-            _log.warning("NCCL is off for this job: %s; device arrays will be refused", why)
+            _log.warning("NCCL is off for this job: %s; device arrays are staged through host "
+                         "memory", why)
         return None, why
+    if allow_shared:
+        _log.warning("test switch %s=1: NCCL host id %s", SHARED_GPU_TEST_SWITCH,
+                     os.environ["NCCL_HOSTID"])
     try:
         transport = NCCLTransport(comm, device_id)
     except Exception as exc:

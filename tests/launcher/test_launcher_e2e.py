@@ -82,6 +82,10 @@ def test_check_build(run):
         any(line.strip().startswith("[X] NCCL") for line in lines)
     if subprocess.run([sys.executable, "-c", "import cupy"], cwd="/").returncode != 0:
         assert "no CUDA device: cupy not installed" in r.stdout
+    # The NCCL line names the CUDA stack it found (driver, CuPy and NCCL wheels).
+    nccl = next(line for line in lines if "NCCL (" in line)
+    assert "CUDA driver " in nccl or "no CUDA driver" in nccl, nccl
+    assert "CuPy not installed" in nccl or "cupy" in nccl, nccl
 
 
 def test_version(run):

@@ -177,7 +177,7 @@ def test_grouped_allgather_and_reducescatter(mode):
                 tf.reduce_sum(w * rc) + tf.reduce_sum(2 * w * tf.cast(rd, tf.float32))
             # Six collectives (two groups, four in the gradients) that TF1 may run in any
             # order, each holding an inter-op thread while it waits: the session needs a
-            # thread for each (see the README's TF1 note).
+            # thread for each (see docs/tensorflow.md's TF1 note).
             config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=6, use_per_session_threads=True)
             with tf.compat.v1.Session(config=config) as sess:
                 out = sess.run([ga, gb, rc, rd] + tf.compat.v1.gradients(loss, ts))

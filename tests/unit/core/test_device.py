@@ -88,8 +88,11 @@ def test_host_device_mix_is_a_mismatch_naming_ranks():
 def test_tf_to_cupy_refuses_host_tensors():
     class HostTensor(DLPackOn):
         device = "/job:localhost/replica:0/task:0/device:CPU:0"
-    with pytest.raises(ValueError, match="needs a tensor in GPU memory; this one is on /job:.*CPU:0"):
-        device.tf_to_cupy(HostTensor(1))
+    from horolite.core.tf_dlpack import tf_to_cupy
+    # The message says where the memory is (DLPack), not the op's device.
+    with pytest.raises(ValueError, match=r"needs a tensor in GPU memory; this one's memory is on "
+                                         r"DLPack device \(1, 0\)"):
+        tf_to_cupy(HostTensor(1))
 
 
 # ---- device selection ----
@@ -162,6 +165,30 @@ def test_decide_nccl_one_gpu_per_rank():
     go, why = nccl_mod.decide_nccl([gpu("a", "0:1"), gpu("a", "0:2"), gpu("a", "0:1")])
     assert not go
     assert why.startswith("ranks 0, 2 on a would share one GPU (0:1); NCCL needs one GPU per rank")
+
+
+def test_shared_gpu_test_switch_lets_ranks_share_one_gpu():
+    """Test-only: ranks on one GPU use NCCL anyway, each with its own NCCL host id."""
+    def gpu(host, bus):
+        return (True, "NCCL 2.28.9 with 1 CUDA device(s)", host, bus)
+    one_gpu = [gpu("vm", "0:1")] * 4
+    go, why = nccl_mod.decide_nccl(one_gpu, allow_shared=True)
+    assert go and why == "NCCL 2.28.9 with 1 CUDA device(s) (test switch: ranks share a GPU, " \
+        "one NCCL host id each)"
+    assert nccl_mod.decide_nccl(one_gpu)[0] is False  # the default: refused
+    # The switch never makes NCCL out of a rank without a GPU.
+    none = (False, "no CUDA device: 0 devices", "vm", "")
+    assert nccl_mod.decide_nccl([gpu("vm", "0:1"), none], allow_shared=True)[0] is False
+    ids = {nccl_mod.shared_gpu_host_id("vm", r) for r in range(4)}
+    assert len(ids) == 4 and nccl_mod.shared_gpu_host_id("vm", 2) == "horolite-test-vm-rank2"
+
+
+@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True),
+                                      ("yes", False)])
+def test_shared_gpu_test_switch_is_exactly_1(value, on):
+    env = {} if value is None else {nccl_mod.SHARED_GPU_TEST_SWITCH: value}
+    assert nccl_mod.shared_gpu_test_switch(env) is on
+    assert nccl_mod.SHARED_GPU_TEST_SWITCH == "HOROLITE_TEST_NCCL_SHARED_GPU"
 
 
 # ---- nccl_status and imports ----

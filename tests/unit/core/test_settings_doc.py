@@ -1,4 +1,4 @@
-"""The README's configuration tables are what horolite/core/settings.py generates."""
+"""The configuration page's tables (docs/configuration.md) are what horolite/core/settings.py generates."""
 import os
 import subprocess
 import sys
@@ -16,11 +16,11 @@ def generated():
                           capture_output=True, text=True, check=True, timeout=120).stdout
 
 
-def test_readme_tables_are_generated_from_the_declaration(generated):
-    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+def test_configuration_tables_are_generated_from_the_declaration(generated):
+    readme = open(os.path.join(REPO, "docs", "configuration.md"), encoding="utf-8").read()
     assert readme.count(BEGIN) == 1 and readme.count(END) == 1
     block = readme.split(BEGIN, 1)[1].split("\n", 1)[1].split(END, 1)[0]
-    assert block == generated, ("README.md's configuration tables differ from the declaration: "
+    assert block == generated, ("docs/configuration.md's tables differ from the declaration: "
                                 "paste the output of `python -m horolite.core.settings --markdown`")
 
 
