@@ -16,6 +16,7 @@ _tf_spec = importlib.util.find_spec("tensorflow")
 if _tf_spec is not None and _tf_spec.origin is None:
     sys.modules["tensorflow"] = None
 
+
 def pytest_terminal_summary(terminalreporter):
     """What ran inside the mpirun jobs: the driver's count above says only how many jobs."""
     mpirun = sys.modules.get("mpirun")
