@@ -6,6 +6,7 @@ the decision it must miss is made, so which ranks contribute is known.
 Results are checked against NumPy from every rank's known inputs.
 """
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -18,7 +19,10 @@ hvd.init()
 COMM = MPI.COMM_WORLD
 RANK, SIZE = hvd.rank(), hvd.size()
 LAST = SIZE - 1
-OUTDIR = os.environ.get("HOROLITE_TEST_OUTDIR", "/tmp")
+# The marker files' folder: the driver's, or a fresh one rank 0 makes (never /tmp itself,
+# where an earlier run's markers would make the late rank not late).
+OUTDIR = os.environ.get("HOROLITE_TEST_OUTDIR") or COMM.bcast(
+    tempfile.mkdtemp(prefix="horolite-markers-") if COMM.Get_rank() == 0 else None)
 
 
 def inputs(rank, step, shape=(5,)):

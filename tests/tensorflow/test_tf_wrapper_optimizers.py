@@ -6,6 +6,7 @@ callback; a backup-worker run with one rank late at every step.
 Run by tests/test_matrix_tensorflow.py under mpirun -np 1..4.
 """
 import os
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -22,7 +23,10 @@ hvd.init()
 COMM = MPI.COMM_WORLD  # mpi4py's own allgather compares ranks, not horolite's
 R, N = hvd.rank(), hvd.size()
 LAST = N - 1
-OUTDIR = os.environ.get("HOROLITE_TEST_OUTDIR", "/tmp")
+# The marker files' folder: the driver's, or a fresh one rank 0 makes (never /tmp itself,
+# where an earlier run's markers would make the late rank not late).
+OUTDIR = os.environ.get("HOROLITE_TEST_OUTDIR") or COMM.bcast(
+    tempfile.mkdtemp(prefix="horolite-markers-") if COMM.Get_rank() == 0 else None)
 BATCH = 24  # 6 rows per rank on 4 ranks
 STEPS = 5
 LR = 0.1
