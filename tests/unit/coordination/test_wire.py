@@ -146,3 +146,27 @@ def test_the_longest_string_and_one_byte_more():
     assert wire.decode_requests(wire.encode_requests(reqs), 0) == reqs
     with pytest.raises(ValueError, match=f"string of {wire.MAX_STRING + 1} bytes exceeds"):
         wire.encode_requests([Request(longest + "y", Kind.ALLREDUCE, "f", ())])
+
+
+def test_exact_error_messages_past_the_header():
+    size = wire._REQUESTS.fixed.size
+    one = wire.encode_requests([Request("ab", Kind.ALLREDUCE, "f", ())])
+
+    def message(data, decode=wire.decode_requests):
+        with pytest.raises(ControlMessageError) as e:
+            decode(data, 0)
+        return str(e.value).split("): ", 1)[1]
+
+    assert message(wire.encode_responses([])[:8], wire.decode_responses) == \
+        "truncated at byte 8 (needs 1, 0 left)"
+    assert message(one[:8 + size + 2]) == f"truncated at byte {8 + size} (a length needs 4 bytes, 2 left)"
+    bad_utf8 = one[:8 + size + 4] + b"\xff" + one[8 + size + 5:]
+    assert message(bad_utf8) == f"string at byte {8 + size + 4} is not UTF-8 (invalid start byte)"
+    header = one[:4]
+    assert message(header + b"\xff\xff\xff\xff" + bytes(8)) == "4294967295 records cannot fit in 16 bytes"
+    assert message(header + (2).to_bytes(4, "little") + bytes(2 * size - 6)) == \
+        f"2 records cannot fit in {8 + 2 * size - 6} bytes"
+    two = wire.encode_requests([Request("x" * 100, Kind.ALLREDUCE, "f", ()),
+                                Request("y", Kind.ALLREDUCE, "f", ())])
+    second = len(one) - 2 + 100  # where the second record starts
+    assert message(two[:second + 5]) == f"truncated record at byte {second}"
