@@ -148,3 +148,18 @@ def test_joined_ranks_allow_only_allreduce_and_barrier():
 def test_allgather_first_dims_cover_every_rank():
     reqs = {r: req("t", kind=Kind.ALLGATHER, shape=(n, 2)) for r, n in ((0, 3), (1, 0), (2, 1))}
     assert check_requests("t", reqs, 3).first_dims == (3, 0, 1)
+
+
+def test_a_process_sets_coordinator_names_job_ranks():
+    # A set of job ranks [3, 5, 6]: its coordinator counts 0..2 but every message and stall
+    # report names job ranks.
+    c = Coordinator(3, names=[3, 5, 6])
+    c.add(0, [req("t", dtype="float32"), req("late")], now=10.0)
+    c.add(1, [req("t", dtype="int32")], now=10.0)
+    c.add(2, [req(kind=Kind.JOIN, name="join", dtype="", shape=()), req("u", kind=Kind.BROADCAST, root=0)],
+          now=10.0)  # the requests after a JOIN in the same list still count
+    out = c.responses()
+    assert [r.name for r in out] == ["t"]
+    assert out[0].error == "tensor 't': mismatched dtype: rank 3 had float32, rank 5 had int32"
+    assert c.stalled(now=12.5, after=2.0) == [("late", [3], [5], 2.5), ("u", [6], [3, 5], 2.5)]
+    assert c.stalled(now=11.0, after=2.0) == []
