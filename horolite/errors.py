@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 __all__ = ["HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
-           "ShutdownError", "StallError", "NotInitializedError", "ControlMessageError"]
+           "ShutdownError", "StallError", "NotInitializedError", "ControlMessageError",
+           "HostsUpdatedInterrupt"]
 
 
 class HorovodInternalError(RuntimeError):
@@ -35,3 +36,13 @@ class NotInitializedError(ValueError):
 
 class ControlMessageError(HorovodInternalError):
     """A control message from another rank could not be decoded (corrupt or foreign bytes)."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Elastic jobs: the set of hosts changed (raised by `state.check_host_updates()` on every
+    rank at once). Horovod's meaning: keep the current state (no restore to the last commit);
+    `skip_sync` is True when hosts were only removed."""
+
+    def __init__(self, skip_sync):
+        super().__init__("the set of hosts of this elastic job changed")
+        self.skip_sync = skip_sync

@@ -3,7 +3,7 @@
 Every tunable flag comes from ``horolite.core.settings``: a flag sets its
 ``HOROLITE_*`` variable on every rank, a ``--config-file`` (horovodrun's YAML
 keys) fills what the command line left unset. horovodrun flags that cannot
-mean anything over one ``mpirun`` (Gloo, jsrun, elastic training) stop the
+mean anything over one ``mpirun`` (Gloo, jsrun) stop the
 launch at once with the reason.
 """
 from __future__ import annotations
@@ -18,18 +18,10 @@ __all__ = ["add_setting_flags", "add_refused_flags", "setting_env", "apply_confi
            "REFUSED"]
 
 # horovodrun flag -> (nargs, why horolite-run cannot do it).
-_ELASTIC = "horolite has no elastic training: a job is a fixed set of MPI ranks"
 REFUSED = {
     ("--gloo",): (0, "horolite has no Gloo controller: it always runs over MPI (drop --gloo)"),
     ("--jsrun",): (0, "horolite launches through mpirun only, not IBM's jsrun"),
     ("--gloo-timeout-seconds",): (1, "horolite has no Gloo controller: it always runs over MPI"),
-    ("--min-np", "--min-num-proc"): (1, _ELASTIC),
-    ("--max-np", "--max-num-proc"): (1, _ELASTIC),
-    ("--slots-per-host",): (1, _ELASTIC + " (give slots with -H host:N)"),
-    ("--elastic-timeout",): (1, _ELASTIC),
-    ("--reset-limit",): (1, _ELASTIC),
-    ("--blacklist-cooldown-range",): (2, _ELASTIC),
-    ("--host-discovery-script",): (1, _ELASTIC + " (give hosts with -H or --hostfile)"),
 }
 
 

@@ -16,7 +16,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 from horolite.core import settings
 
-from . import flags
+from . import elastic_flags, flags
 from . import hosts as hostlib
 from . import mpi, sources, ssh_check
 from .rank_source import SSH
@@ -123,6 +123,7 @@ def get_args_parser(environ: Optional[Mapping[str, str]] = None) -> argparse.Arg
     g.add_argument("--tcp", action="store_true",
                    help="NCCL over TCP only: NCCL_IB_DISABLE=1 on every rank")
 
+    elastic_flags.add_elastic_flags(p)
     flags.add_setting_flags(p)
     flags.add_refused_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
@@ -147,15 +148,18 @@ def tunable_env(args: argparse.Namespace) -> Tuple[Tuple[str, str], ...]:
 
 
 def config_from_args(args: argparse.Namespace,
-                     environ: Optional[Mapping[str, str]] = None) -> LaunchConfig:
-    """Validate the parsed flags into a LaunchConfig; ValueError says what is wrong."""
+                     environ: Optional[Mapping[str, str]] = None,
+                     ranks=sources.DISCOVER) -> LaunchConfig:
+    """Validate the parsed flags into a LaunchConfig; ValueError says what is wrong.
+    `ranks`: where the ranks go (default: found by sources.discover)."""
     environ = os.environ if environ is None else environ
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
         raise ValueError("no command given (usage: horolite-run -np 4 python train.py)")
-    ranks = sources.discover(args, environ)  # -H, --hostfile, Slurm, MPI Operator
+    if ranks is sources.DISCOVER:
+        ranks = sources.discover(args, environ)  # -H, --hostfile, Slurm, MPI Operator
     host_list = ranks.hosts if ranks else ()
     slots = hostlib.total_slots(host_list)
     num_proc = args.num_proc if args.num_proc is not None else slots
@@ -241,7 +245,11 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     if parsed.check_build:
         from .check_build import check_build
         return check_build()
+    if elastic_flags.is_elastic(parsed):
+        from .elastic import run_elastic
+        return run_elastic(parsed)
     try:
+        elastic_flags.check_not_elastic(parsed)
         config = config_from_args(parsed)
         _check_command(config)
         if config.start == SSH:  # Slurm's node names are for srun; mpirun never resolves them

@@ -12,9 +12,10 @@ from typing import Mapping, Optional
 from . import host_flags, mpi_operator, slurm
 from .rank_source import Ranks
 
-__all__ = ["SOURCES", "discover"]
+__all__ = ["SOURCES", "DISCOVER", "discover"]
 
 SOURCES = (host_flags, slurm, mpi_operator)
+DISCOVER = object()  # "ask the sources" (a default argument of main.config_from_args)
 
 
 def discover(args, environ: Mapping[str, str]) -> Optional[Ranks]:

@@ -151,7 +151,7 @@ def _set_session_and_parent_death():  # in mpirun's process, between fork and ex
 class Supervisor:
     def __init__(self, argv: Sequence[str], num_proc: int, rank_hosts: Sequence[str], *,
                  start_timeout: float, fail_grace: float = 2.0, kill_grace: float = 3.0,
-                 log=None, start_help: str = "", env=None):
+                 log=None, start_help: str = "", env=None, on_marker=None):
         self.argv = list(argv)
         self.num_proc = num_proc
         self.rank_hosts = list(rank_hosts)
@@ -159,6 +159,9 @@ class Supervisor:
         self.start_help = start_help or "Check that these hosts are reachable (ssh without a password)"
         self.fail_grace = fail_grace
         self.env = env  # mpirun's environment (None: this one)
+        # Called with (kind, fields) for marker kinds the supervisor does not know itself
+        # (the elastic driver's, launcher/elastic.py).
+        self.on_marker = on_marker
         self.kill_grace = kill_grace
         self.ranks: Dict[int, RankStatus] = {r: RankStatus(r) for r in range(num_proc)}
         self.events: "queue.Queue" = queue.Queue()
@@ -252,6 +255,11 @@ class Supervisor:
                         self._log(f"{describe_exit(self.first_failure)}; stopping the other ranks")
                     if stop_at is None:
                         stop_at = now + self.fail_grace
+                elif kind == "exit" and stop_at is None and kill_at is None and \
+                        int(fields.get("rank", -1)) in self.stopped_by:
+                    stop_at = now + self.fail_grace  # stopped by another rank: end the job too
+            elif kind not in (None, "signal") and self.on_marker is not None:
+                self.on_marker(kind, fields)
             elif kind == "signal":
                 while self._signals:
                     signum = self._signals.pop(0)
@@ -298,6 +306,8 @@ class Supervisor:
                 self._record(kind, fields)
                 if kind == "exit" and self.first_failure is None and self._failed(fields):
                     self.first_failure = self.ranks[int(fields["rank"])]
+            elif kind != "signal" and self.on_marker is not None:
+                self.on_marker(kind, fields)
         self._kill_local_leftovers()
         result = self._result(returncode)
         if result.exit_code != 0:
@@ -306,12 +316,17 @@ class Supervisor:
         if removed:
             self._log(f"removed {len(removed)} shared-memory segment(s) the job left in "
                       f"/dev/shm: {', '.join(os.path.basename(p) for p in removed)}")
+        if result.exit_code != 0:  # a clean end leaves nothing: MPI_Finalize unlinks them
+            for host, files in sorted(self.shm.remove_remote(self.argv).items()):
+                self._log(f"removed {len(files)} shared-memory segment(s) the job left in "
+                          f"/dev/shm on {host}: {', '.join(os.path.basename(p) for p in files)}")
         return result
 
     def _shm_report(self, fields) -> None:
-        """A rank's own list of its /dev/shm files; those of other hosts are not ours."""
-        if fields.get("host") == socket.gethostname():
-            self.shm.reported(fields.get("text", "").split())
+        """A rank's own list of its /dev/shm files, on this host or another."""
+        host = fields.get("host")
+        self.shm.reported(fields.get("text", "").split(),
+                          None if host in (None, socket.gethostname()) else host)
 
     def _runtime_report(self, kind, fields) -> bool:
         """A rank's own account (horolite/failure/channel.py): True when it ends the job."""
@@ -347,7 +362,8 @@ class Supervisor:
 
     def _failed(self, fields) -> bool:
         return (int(fields.get("code", 0)) != 0 or int(fields.get("signal", 0)) != 0) and \
-            fields.get("stopped") != "1" and self.interrupted is None and not self.timed_out
+            fields.get("stopped") != "1" and self.interrupted is None and not self.timed_out \
+            and int(fields.get("rank", -1)) not in self.stopped_by  # a consequence, reported
 
     def _record(self, kind, fields):
         try:
@@ -409,10 +425,10 @@ class Supervisor:
             if status is not None and status.code and not status.stopped:
                 code = status.code  # what the rank itself exited with
         elif self.stopped_by:
-            origin = min(self.stopped_by.values())
+            origin = self._stopped_origin()
             status = self.ranks.get(origin)
-            if status is None:
-                return None
+            if status is None or (status.signal or status.code) and not status.stopped:
+                return None  # it failed by itself (killed, say): the failure's own summary
             left = describe_exit(status) if status.code is not None else f"rank {origin} ended"
             text = f"{left} while other ranks still ran collectives"
             code = status.code or 1
@@ -424,6 +440,20 @@ class Supervisor:
             message += f"; ranks stopped as a result: {', '.join(map(str, others))}"
         return JobResult(code, message)
 
+    def _stopped_origin(self) -> int:
+        """The rank the runtime's "stopped" reports lead back to: each names the rank it
+        heard from, which may itself have been stopped by another (a peer it lost)."""
+        origins = set()
+        for start in set(self.stopped_by.values()):
+            rank, seen = start, set()
+            while self.stopped_by.get(rank, -1) >= 0 and rank not in seen:
+                seen.add(rank)
+                rank = self.stopped_by[rank]
+            origins.add(rank)
+        if self.first_failure is not None and self.first_failure.rank in origins:
+            return self.first_failure.rank
+        return min(origins)
+
     def _result(self, returncode: int) -> JobResult:
         if self.interrupted is not None:
             return JobResult(128 + self.interrupted, f"stopped by {_signame(self.interrupted)}")
@@ -432,13 +462,16 @@ class Supervisor:
         reported = self._reported_result()
         if reported is not None:
             return reported
+        # A rank that reported being stopped by another rank's failure is not one of them.
         failures = [s for s in self.ranks.values()
-                    if (s.code not in (None, 0) or s.signal) and not s.stopped]
+                    if (s.code not in (None, 0) or s.signal) and not s.stopped
+                    and s.rank not in self.stopped_by]
         failed = self.first_failure or (failures[0] if failures else None)
         if failed is not None:
             others = [s for s in failures if s is not failed]
             stopped = sorted(s.rank for s in self.ranks.values()
-                             if s is not failed and s not in others and (s.stopped or s.code is None))
+                             if s is not failed and s not in others and
+                             (s.stopped or s.code is None or s.rank in self.stopped_by))
             message = f"job failed: {describe_exit(failed)}"
             if others:
                 message += "; then " + "; ".join(describe_exit(s) for s in others)

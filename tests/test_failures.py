@@ -175,6 +175,22 @@ def test_horolite_run_names_the_failing_rank_first(tmp_path):
     assert not [p for p in mapped if os.path.exists(p)], proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("case", ["raise", "exit3", "sigterm"])
+def test_under_plain_mpirun_the_failed_jobs_shared_memory_is_removed_by_its_ranks(case, tmp_path):
+    # No horolite-run to clean up: a rank that ends because the job cannot go on unlinks
+    # what it maps (the host's MPICH segment, horolite's window) on its way out.
+    before = set(os.listdir("/dev/shm"))
+    proc = run_job(case, 3, tmp_path)
+    assert proc.returncode != 0
+    mapped = set()
+    for r in range(3):
+        with open(tmp_path / f"shm.{r}") as f:
+            mapped |= set(f.read().split())
+    mapped = {p for p in mapped if os.path.basename(p) not in before}
+    assert mapped, "the ranks mapped only files that existed before the job: nothing checked"
+    assert not [p for p in mapped if os.path.exists(p)], proc.out[-2000:]
+
+
 def test_horolite_run_names_a_rank_that_left_early(tmp_path):
     proc = run_job("exit0", 2, tmp_path, launcher=True)
     summary = [line for line in proc.stderr.splitlines() if line.startswith("horolite-run: job")]

@@ -10,6 +10,7 @@ from ..core import config as config_mod
 from ..core import log, settings
 from ..core.mpi_library import load_mpi
 from ..failure import launch_check, process_hooks
+from ..failure.shm_files import remove_mapped
 from ..runtime import registry
 from . import process_sets as _process_sets
 
@@ -142,6 +143,7 @@ def _shutdown_at_exit() -> None:
     _stop(runtimes or [rt], timeout=1.0 if doomed else 30.0,
           exiting=-1 if code is None else code)
     if doomed:
+        remove_mapped()  # no MPI_Finalize to unlink the job's shared memory
         process_hooks.exit_now(1 if code is None else code)
 
 

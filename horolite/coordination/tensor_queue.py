@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -41,13 +41,19 @@ class TensorQueue:
         self._inflight: Dict[str, Entry] = {}
         self._new: List[Entry] = []
         self._closed: Optional[BaseException] = None
+        # After close: answers a submission without the background thread (a quorum
+        # result decided before the other ranks left) and returns True, or False.
+        self.after_close: Optional[Callable[[Entry], bool]] = None
         self.wake = threading.Event()
 
     def submit(self, entry: Entry) -> Handle:
         name = entry.request.name
+        if self._closed is not None and self.after_close is not None and \
+                self.after_close(entry):
+            return entry.handle
         with self._lock:
             if self._closed is not None:
-                raise self._closed
+                raise _naming(self._closed, name)
             if name in self._inflight:
                 raise DuplicateNameError(
                     f"tensor '{name}': a collective with this name is already in flight on this "
@@ -96,3 +102,15 @@ class TensorQueue:
     @property
     def closed(self) -> Optional[BaseException]:
         return self._closed
+
+
+def _naming(error: BaseException, name: str) -> BaseException:
+    """The queue's closing error, naming the tensor refused (once)."""
+    if str(error).startswith("tensor '"):
+        return error
+    try:
+        named = type(error)(f"tensor '{name}': {error}")
+    except Exception:  # an error type that takes other arguments
+        return error
+    named.horolite_peer = getattr(error, "horolite_peer", None)
+    return named

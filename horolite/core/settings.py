@@ -22,7 +22,10 @@ _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f", ""}
 
 # Names only this repository's test harness sets on ranks: never warned about.
-HARNESS = ("HOROLITE_UNDER_MPIRUN", "HOROLITE_PROBE_API")
+HARNESS = ("HOROLITE_UNDER_MPIRUN", "HOROLITE_PROBE_API",
+           # set by horolite-run's elastic driver on every rank (horolite/elastic/protocol.py)
+           "HOROLITE_ELASTIC_JOB", "HOROLITE_ELASTIC_GENERATION", "HOROLITE_ELASTIC_NOTIFY",
+           "HOROLITE_ELASTIC_SEEN", "HOROLITE_ELASTIC_COMMIT_DIR")
 HARNESS_PREFIX = "HOROLITE_TEST_"
 
 
@@ -172,6 +175,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("START_TIMEOUT", float, 30.0,
             "horolite-run: seconds every rank has to start before the job is stopped",
             flag="--start-timeout", scope="launcher"),
+    Setting("ELASTIC_TIMEOUT", float, 600.0,
+            "horolite-run elastic jobs: seconds to wait for `--min-np` slots before failing",
+            flag="--elastic-timeout", scope="launcher"),
     Setting("MPIRUN", str, "",
             "horolite-run: the `mpirun` to use (default: next to the Python interpreter, then "
             "`PATH`)",
@@ -218,8 +224,8 @@ NOT_HONOURED = {
     "DISABLE_GROUP_FUSION": ("grouped collectives always travel as one fused tensor", "", "",
                              None),
     "DISABLE_NVTX_RANGES": ("horolite emits no NVTX ranges", "", "", None),
-    "ELASTIC": ("horolite has no elastic training: ranks are a fixed MPI job", "", "", None),
-    "ELASTIC_TIMEOUT": ("horolite has no elastic training", "", "", None),
+    "ELASTIC": ("horolite-run's elastic mode is chosen by its flags (--min-np, "
+                "--host-discovery-script); ranks learn it from HOROLITE_ELASTIC_JOB", "", "", None),
     "ENABLE_ASYNC_COMPLETION": ("host collectives complete on the background thread already",
                                 "", "", None),
     "ENABLE_XLA_OPS": ("horolite's TensorFlow ops are Python ops, which XLA cannot compile", "",

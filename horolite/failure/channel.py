@@ -77,6 +77,11 @@ class FailureChannel:
         self._lock = threading.Lock()
         self._inbox = np.zeros(NOTICE_BYTES, dtype=np.uint8)
         self.status = MPI.Status()
+        # Ranks a send must not reach (links.LinkWatch.unsafe), and whether this rank must
+        # not touch MPI at all any more (a link closed: the collectives it abandoned would
+        # send to that peer from inside any progress): set by the runtime.
+        self.unsafe = lambda: set()
+        self.silent = lambda: False
         self.request = (self.comm.Irecv(self._inbox, source=MPI.ANY_SOURCE, tag=_TAG)
                         if self.size > 1 else None)
 
@@ -112,7 +117,7 @@ class FailureChannel:
 
     def acknowledge(self) -> None:
         """Tell the rank whose notice arrived that this rank has it (and has reported it)."""
-        if self.heard is not None:
+        if self.heard is not None and not self.silent() and self.heard.rank not in self.unsafe():
             self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=self.heard.rank, tag=_ACK_TAG)
 
     def announce(self, text: str) -> bool:
@@ -120,11 +125,12 @@ class FailureChannel:
         for them to confirm (their background threads report it before they do); a peer
         that is frozen or gone does not hold this rank longer. False if this rank already
         announced, or heard another rank's notice first (then it is not the cause)."""
-        if self.sent is not None or self.heard is not None or self.size == 1:
+        if self.sent is not None or self.heard is not None or self.size == 1 or self.silent():
             return False
         self.sent = Notice(self.rank, text)
         data = np.frombuffer(self.sent.encode(), dtype=np.uint8)
-        peers = [q for q in range(self.size) if q != self.rank]
+        unsafe = self.unsafe()
+        peers = [q for q in range(self.size) if q != self.rank and q not in unsafe]
         acks = np.zeros(len(peers), dtype=np.uint8)
         requests = [self.comm.Irecv(acks[i:i + 1], source=q, tag=_ACK_TAG)
                     for i, q in enumerate(peers)]
@@ -140,7 +146,7 @@ class FailureChannel:
     def await_release(self) -> None:
         """Before this rank ends because of another rank's notice: wait (up to
         ACK_SECONDS) until that rank has heard every peer confirm it."""
-        if self.heard is None or self.heard.rank == self.rank:
+        if self.heard is None or self.heard.rank == self.rank or self.silent():
             return
         flag = np.zeros(1, dtype=np.uint8)
         request = self.comm.Irecv(flag, source=self.heard.rank, tag=_RELEASE_TAG)
@@ -210,15 +216,18 @@ def launcher_marker(kind: str, **fields) -> None:
         pass
 
 
-def hard_exit_after(seconds: float, code: int, why: str) -> threading.Event:
+def hard_exit_after(seconds: float, code: int, why: str, before=None) -> threading.Event:
     """End this process `seconds` from now unless it has ended by itself: a rank stuck in
-    user code must not keep the job alive. Setting the returned event cancels it."""
+    user code must not keep the job alive. Setting the returned event cancels it.
+    `before()`, if given, runs first (the job's shared memory removed, say)."""
     cancel = threading.Event()
 
     def run():
         if cancel.wait(seconds):
             return
         _log.error("%s: ending this process now (exit code %d)", why, code)
+        if before is not None:
+            before()
         exit_now(code)
     threading.Thread(target=run, name="horolite-hard-exit", daemon=True).start()
     return cancel

@@ -49,6 +49,8 @@ class CollectiveWatch:
 
     def __call__(self, waited: float, peers=None) -> None:
         """Called from inside a wait that has lasted `waited` seconds on `peers`."""
+        if self.heartbeat is not None and self.heartbeat.links is not None:
+            self.heartbeat.links.check()  # raises LinkLost before MPI progresses again
         notice = self.channel.check()
         if notice is not None:
             raise PeerFailure(notice)

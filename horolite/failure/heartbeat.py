@@ -32,13 +32,17 @@ _LOOK_EVERY = 0.2
 # A peer not heard from for this long is silent (a running one sends every INTERVAL;
 # a busy machine may delay one message, not two).
 SILENT_AFTER = 2.5 * INTERVAL
+# At shutdown, how long a rank takes in its peers' last beats (see Heartbeat.close).
+BYE_SECONDS = 2.0
 
 
 class Heartbeat:
     """Sends and hears the beats (background thread only); `silent()` names who is quiet."""
 
-    def __init__(self, comm: MPI.Comm, hostnames: List[str]):
+    def __init__(self, comm: MPI.Comm, hostnames: List[str], links=None):
+        """links: a links.LinkWatch, checked before the beats go out (it raises LinkLost)."""
         self.comm = comm.Dup()
+        self.links = links
         self.rank = comm.Get_rank()
         self.peers = [q for q in range(comm.Get_size()) if q != self.rank]
         # Every rank's process id, for the peers on this host (gone()).
@@ -62,6 +66,8 @@ class Heartbeat:
         if now < self._next_look or not self.peers:
             return
         self._next_look = now + _LOOK_EVERY
+        if self.links is not None:
+            self.links.check()  # before MPI's progress, as every send is (links.py)
         self._hear(now)
         if now >= self._next_send:
             self._next_send = now + INTERVAL
@@ -90,13 +96,38 @@ class Heartbeat:
         dead = set(processes_gone(self.pids_here.values()))
         return {q: pid for q, pid in self.pids_here.items() if pid in dead}
 
-    def close(self) -> None:
-        """Every rank stopping together: drop the posted receives, let the sends go."""
-        for r in self._recvs:
-            r.Cancel()
-        MPI.Request.Waitall(self._recvs)
+    def close(self, unreachable=()) -> None:
+        """Every rank stopping together. Beats sent while a link was down arrive late, all
+        at once; left unmatched, the MPI library complains about each at MPI_Finalize
+        (UCX: 'unexpected tag-receive descriptor ... was not matched'). So each rank
+        sends every peer a last beat marked 'bye' and takes in that peer's beats until
+        its bye arrives (messages between two ranks arrive in order), for at most
+        BYE_SECONDS; only then are the receives still posted cancelled. A peer in
+        `unreachable` (gone, or behind a closed link) is neither sent to nor waited for."""
+        unreachable = set(unreachable)
+        peers = [i for i, q in enumerate(self.peers) if q not in unreachable]
+        bye = np.ones(1, dtype=np.uint8)
         sends = [s for s in self._sends if s is not None]
-        deadline = time.monotonic() + 0.2
+        sends += [self.comm.Isend(bye, dest=self.peers[i], tag=_TAG) for i in peers]
+        waiting = set(peers)
+        deadline = time.monotonic() + BYE_SECONDS
+        while waiting and time.monotonic() < deadline:
+            done = MPI.Request.Testsome([self._recvs[i] for i in sorted(waiting)])
+            if not done:
+                time.sleep(0.001)
+                continue
+            order = sorted(waiting)
+            for j in done:
+                i = order[j]
+                if self._inbox[i] == 1:
+                    waiting.discard(i)  # its bye: nothing more comes from that peer
+                    self._recvs[i] = MPI.REQUEST_NULL
+                else:
+                    self._recvs[i] = self._post(i)
+        for r in self._recvs:
+            if r != MPI.REQUEST_NULL:
+                r.Cancel()
+        MPI.Request.Waitall(self._recvs)
         while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
             time.sleep(0.002)
         for s in sends:

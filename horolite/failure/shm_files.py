@@ -6,6 +6,11 @@ megabytes each, by a rank that is killed or skips it. horolite-run also samples 
 ranks' ``/proc/<pid>/maps`` while the job runs, but a job that fails within its first
 second can end between two samples; the rank's own report right after ``init()``
 cannot be missed (launcher/shm_cleanup.py).
+
+Under plain mpirun or srun there is no horolite-run to do it, so a rank that ends
+because the job cannot go on (remove_mapped, on its way out before os._exit) unlinks
+the files it maps itself: the job's other ranks on the host keep their mappings, and
+every one of them maps the host's MPICH segment, so the first to go removes it.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import os
 import socket
 from typing import Set
 
-__all__ = ["mapped_shm_files", "report_to_launcher"]
+__all__ = ["mapped_shm_files", "report_to_launcher", "remove_mapped"]
 
 SHM_DIR = "/dev/shm/"
 
@@ -43,3 +48,12 @@ def report_to_launcher(rank: int) -> None:
     paths = mapped_shm_files(os.getpid())
     if paths:
         launcher_marker("shm", rank=rank, host=socket.gethostname(), text=" ".join(sorted(paths)))
+
+
+def remove_mapped() -> None:
+    """Unlink the /dev/shm files this process maps (its job is over: see above)."""
+    for path in sorted(mapped_shm_files(os.getpid())):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

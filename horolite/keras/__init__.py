@@ -15,12 +15,12 @@ from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
                       mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
                       start_timeline, stop_timeline)
 from horolite.core.ops import Adasum, Average, Sum
-from horolite.tensorflow import Compression, elastic, global_process_set, init
+from horolite.tensorflow import Compression, global_process_set, init
 from horolite.tensorflow import keras as _tf_keras
 from horolite.tensorflow.keras import (allgather, broadcast, broadcast_global_variables,
                                        load_model, reducescatter)
 
-from . import callbacks
+from . import callbacks, elastic
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "mpi_threads_supported", "start_timeline", "stop_timeline",

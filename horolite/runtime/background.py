@@ -18,7 +18,6 @@ from typing import Dict, List, Optional, Tuple
 from mpi4py import MPI
 
 from ..core import config as config_mod
-from ..core.hosts import host_name, split_by_host
 from ..coordination import wire
 from ..coordination.autotune import Autotuner, parse_start
 from ..coordination.control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
@@ -26,7 +25,9 @@ from ..failure.collective_watch import CollectiveWatch
 from ..errors import ControlMessageError, HorovodInternalError, ShutdownError, StallError
 from ..failure.channel import FailureChannel, PeerFailure, launcher_marker
 from ..failure.heartbeat import Heartbeat
+from ..failure.links import LinkLost, LinkWatch
 from .job_end import JobEnd
+from .topology import Topology
 from ..execution.executor import Executor
 from ..core.messages import JOIN_NAME, Kind
 from ..coordination.negotiation import Coordinator
@@ -52,25 +53,6 @@ CACHE_DEMOTE_SECONDS = 1.0
 IDLE_MAX_SECONDS = 0.1
 # Why rank 0 stops the job (the reason word travels with the response list).
 _STOP_ERRORS = {"stall": StallError, "control": ControlMessageError}
-
-
-class Topology:
-    """rank/size of the job, of this host and across hosts."""
-
-    def __init__(self, comm: MPI.Comm):
-        self.rank = comm.Get_rank()
-        self.size = comm.Get_size()
-        local = split_by_host(comm)
-        self.local_rank = local.Get_rank()
-        self.local_size = local.Get_size()
-        cross = comm.Split(color=self.local_rank, key=self.rank)
-        self.cross_rank = cross.Get_rank()
-        self.cross_size = cross.Get_size()
-        local_sizes = comm.allgather(self.local_size)
-        self.is_homogeneous = len(set(local_sizes)) == 1
-        self.hostname = host_name()
-        local.Free()
-        cross.Free()
 
 
 class Runtime(JobEnd):
@@ -107,15 +89,23 @@ class Runtime(JobEnd):
         self.failures = FailureChannel(comm, hostnames)
         if leader is not None:  # a process set's messages name job ranks
             self.failures.where = self._where_in_job
+        # Connections to peers on other hosts that closed (links.py): never sent to.
+        self.links = (leader.links if leader is not None else
+                      LinkWatch(comm, hostnames) if self.size > 1 else None)
+        if leader is None:
+            self.failures.unsafe = self._unreachable
+            if self.links is not None:
+                self.failures.silent = lambda: self.links.lost is not None
         # Which peers are still heard from (heartbeat.py): what a stall report names.
-        self.heartbeat = (Heartbeat(comm, hostnames) if self.size > 1 and not cfg.stall_check_disable
+        self.heartbeat = (Heartbeat(comm, hostnames, self.links) if self.size > 1 and not cfg.stall_check_disable
                           else None)
         self.watch = CollectiveWatch(self.failures, cfg.stall_check_time_seconds,
                                      cfg.stall_shutdown_time_seconds, not cfg.stall_check_disable,
                                      self.heartbeat)
         self.doomed: Optional[BaseException] = None  # set when this process must end
         self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
-                                      watch=self.watch, channel=self.failures)
+                                      watch=self.watch, channel=self.failures,
+                                      links=self.links)
         (self.transport.hierarchical_allreduce,
          self.transport.hierarchical_allgather) = open_hierarchical(
             comm, self.transport.waiter, cfg.hierarchical_allreduce, cfg.hierarchical_allgather)
@@ -143,6 +133,7 @@ class Runtime(JobEnd):
         self._invalid: set = set()
         self._joined = False
         self._shutdown_requested = threading.Event()
+        self._late_lock = threading.Lock()  # quorum answers after shutdown: callers' threads
         self._exiting: Optional[int] = None
         self._hard_exit: Optional[threading.Event] = None  # set: the hard exit is cancelled
         self._fatal: Optional[BaseException] = None
@@ -225,7 +216,7 @@ class Runtime(JobEnd):
                     self.transport.close()
                     if self.doomed is None:
                         if self.heartbeat is not None:
-                            self.heartbeat.close()
+                            self.heartbeat.close(self._unreachable())
                         self.failures.close()
                     break
                 if self.queue.has_inflight():
@@ -246,6 +237,10 @@ class Runtime(JobEnd):
                     self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))
         except PeerFailure as e:  # heard inside a wait: another rank failed (or this one)
             self._end_for_failure(e.notice)
+        except LinkLost as e:  # a peer's connection closed: no more sends to it
+            self._end_for_lost_link(e)
+        except MPI.Exception as e:  # the MPI library's error: a peer that died, most often
+            self._end_for_mpi_error(e)
         except StallError as e:  # a collective stalled inside a wait, on this rank
             self._end_for_failure(None, e)
         except BaseException as e:  # a bug: report it everywhere rather than hang the job
@@ -253,19 +248,11 @@ class Runtime(JobEnd):
             self._end_for_failure(None, HorovodInternalError(
                 f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
 
-    def _fail_pending(self, error: BaseException) -> None:
-        self._fatal = self._fatal or error
-        pending = self.queue.close(error)
-        for entry in pending:
-            exc = type(error)(f"tensor '{entry.request.name}': {error}")
-            exc.horolite_peer = getattr(error, "horolite_peer", None)
-            entry.handle._set_exception(exc)
-        self._unsent.clear()
-        self._waiting.clear()
-
     def _cycle(self) -> bool:
         """One negotiate-fuse-execute round; False when the runtime must stop."""
         now = time.monotonic()
+        if self.links is not None:
+            self.links.check()  # before anything makes MPI progress (failure/links.py)
         notice = self.failures.check() or self.failures.sent
         if notice is not None:
             raise PeerFailure(notice)
@@ -327,7 +314,14 @@ class Runtime(JobEnd):
         self.executor.set_fusion_threshold(fusion_threshold)
 
         if global_flags & SHUTDOWN:
-            self._fail_pending(self._shutdown_error())
+            # Quorum results decided before the others left still answer this rank's
+            # submissions, now and later (a straggler finishing its steps).
+            self.queue.after_close = self._answer_late
+            error = self._shutdown_error()
+            failed = self._fail_pending(error)
+            first = getattr(error, "horolite_peer", None)
+            if failed and first is not None:
+                launcher_marker("stopped", rank=self.rank, by=first, text=error)
             return False
 
         for slot in invalid_slots:

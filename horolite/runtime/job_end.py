@@ -16,6 +16,8 @@ import numpy as np
 
 from ..errors import HorovodInternalError, ShutdownError
 from . import registry
+from ..failure.links import LinkLost
+from ..failure.shm_files import remove_mapped
 from ..failure.channel import (Notice, caused_by_peer, describe_exception, hard_exit_after,
                                launcher_marker, signal_name)
 
@@ -29,8 +31,9 @@ EXIT_GRACE_SECONDS = 3.0
 
 
 class JobEnd:
-    """Mixed into Runtime: uses its failures (FailureChannel), heartbeat, queue, transport, rank,
-    size, doomed, _hard_exit, _exiting and _fail_pending."""
+    """Mixed into Runtime: uses its failures (FailureChannel), heartbeat, links, queue,
+    transport, executor, rank, size, doomed, _hard_exit, _exiting, _late_lock and
+    _shutdown_requested."""
 
     def report_exception(self, exc: BaseException, tb) -> None:
         """An uncaught exception is ending this process (main thread): tell the others."""
@@ -45,6 +48,7 @@ class JobEnd:
 
     def report_signal(self, signum: int) -> None:
         """SIGTERM is ending this process: tell the others (unless they told us first)."""
+        remove_mapped()  # it ends without MPI_Finalize (failure/shm_files.py)
         if self.doomed is not None or self.failures.heard is not None:
             return
         text = (f"{self.failures.where(self.rank)} was killed by signal {signum} "
@@ -79,6 +83,67 @@ class JobEnd:
             return
         self._doom(error)
 
+    def _answer_late(self, entry) -> bool:
+        with self._late_lock:
+            return bool(entry.request.quorum) and self.executor.quorum.answer(entry)
+
+    def _fail_pending(self, error: BaseException) -> int:
+        self._fatal = self._fatal or error
+        pending = self.queue.close(error)
+        if self.queue.after_close is not None:
+            pending = [entry for entry in pending if not self._answer_late(entry)]
+        for entry in pending:
+            exc = type(error)(f"tensor '{entry.request.name}': {error}")
+            exc.horolite_peer = getattr(error, "horolite_peer", None)
+            entry.handle._set_exception(exc)
+        self._unsent.clear()
+        self._waiting.clear()
+        return len(pending)
+
+    def _end_for_mpi_error(self, exc: BaseException) -> None:
+        """An MPI error in the background thread: a peer's loss when a peer is gone,
+        else a failure of this rank's own, told to the others."""
+        lost = self._lost_peer(exc)
+        if lost is not None:
+            self._end_for_lost_link(lost)
+            return
+        _log.exception("rank %d: background thread failed", self.rank)
+        self._end_for_failure(None, HorovodInternalError(
+            f"{self.failures.where(self.rank)}: horolite's background thread failed: {exc!r}"))
+
+    def _unreachable(self) -> set:
+        """Ranks no send may reach: behind a closed link, or whose process on this host is gone."""
+        ranks = self.links.unsafe() if getattr(self, "links", None) is not None else set()
+        if self.heartbeat is not None:
+            ranks |= set(self.heartbeat.gone())
+        return ranks
+
+    def _lost_peer(self, exc: BaseException) -> Optional[LinkLost]:
+        """An MPI error explained by a peer that is gone, as LinkLost; else None."""
+        gone = self.heartbeat.gone() if self.heartbeat is not None else {}
+        if gone:
+            q, pid = min(gone.items())
+            return LinkLost(f"{self.failures.where(q)}'s process ({pid}) is gone (MPI reported "
+                            f"{str(exc).splitlines()[0][:200]})", sorted(gone))
+        if getattr(self, "links", None) is not None:
+            self.links.unsafe()
+            if self.links.lost is not None:
+                return self.links.lost
+        return None
+
+    def _end_for_lost_link(self, lost) -> None:
+        """A peer's connection closed (failure/links.py), or MPI failed and a peer is gone:
+        fail this rank's collectives naming it."""
+        text = f"{self.failures.where(self.rank)}: {lost}"
+        _log.error("rank %d: %s; failing this rank's collectives", self.rank, lost)
+        launcher_marker("stopped", rank=self.rank, by=lost.ranks[0], text=text)
+        error = HorovodInternalError(text)
+        error.horolite_peer = lost.ranks[0]
+        self._doom(error)
+        # No notice to the others: any MPI call now could make MPI progress the collectives
+        # this rank abandoned, which send to that peer. They see the link close themselves,
+        # or hear from the launcher (and under mpirun, MPI's own cleanup ends the job).
+
     def _doom(self, error: BaseException) -> None:
         """This rank cannot go on: its collectives fail, every process set's on it too."""
         first = self.doomed is None
@@ -86,7 +151,8 @@ class JobEnd:
         self.doomed = self.doomed or error
         self._fail_pending(error)
         if self._hard_exit is None:
-            self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}")
+            self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}",
+                                              before=remove_mapped)
         if first:
             for other in registry.runtimes():
                 if other is not self:
@@ -107,21 +173,27 @@ class JobEnd:
 
     def _shutdown_error(self) -> ShutdownError:
         """Who stopped the job, and how (one small allgather: every rank agreed on the
-        shutdown in this same cycle, so every rank makes it)."""
-        mine = np.array([0 if self._exiting is None else 1,
+        shutdown in this same cycle, so every rank makes it). A rank's word: 0 it did not
+        ask, 1 its process is exiting (with the code after it), 2 it called shutdown()."""
+        asked = self._shutdown_requested.is_set()
+        mine = np.array([1 if self._exiting is not None else 2 if asked else 0,
                          -1 if self._exiting is None else self._exiting], dtype=np.int64)
         everyone = self.transport.allgather_ints(mine)
-        leavers = [q for q in range(self.size) if everyone[q][0]]
+        leavers = [q for q in range(self.size) if everyone[q][0] == 1] or \
+            [q for q in range(self.size) if everyone[q][0] == 2]
         if not leavers:
             return ShutdownError("horolite was shut down (shutdown() was called on a rank) "
                                  "before this collective completed")
         first = leavers[0]
         code = int(everyone[first][1])
-        how = f"its process exited with code {code}" if code >= 0 else "its process exited"
-        error = ShutdownError(f"{self.failures.where(first)} left the job ({how}) before this "
-                              "collective completed on every rank")
+        if everyone[first][0] == 2:
+            error = ShutdownError(f"horolite was shut down: {self.failures.where(first)} "
+                                  "called shutdown() before this collective completed on "
+                                  "every rank")
+        else:
+            how = f"its process exited with code {code}" if code >= 0 else "its process exited"
+            error = ShutdownError(f"{self.failures.where(first)} left the job ({how}) before "
+                                  "this collective completed on every rank")
         if first != self.rank:
             error.horolite_peer = first
-            if self.queue.has_inflight():
-                launcher_marker("stopped", rank=self.rank, by=first, text=error)
         return error

@@ -1,15 +1,179 @@
-"""`hvd.elastic` (Horovod's elastic training): not supported.
+"""`hvd.elastic` for TensorFlow 2: Horovod 0.28.1's names over horolite's elastic restarts.
 
-A horolite job is a fixed MPI job: ranks cannot join or leave. Any name of
-Horovod's `horovod.tensorflow.elastic` raises NotImplementedError saying so, so
-that code written for it fails at once instead of training without elasticity.
+    @hvd.elastic.run
+    def train(state): ...          # state.commit() every few batches
+    state = hvd.elastic.TensorFlowKerasState(model, optimizer, batch=0)
+    train(state)                   # run with: horolite-run --min-np 2 ... python train.py
+
+A lost rank or a changed host set restarts the job; each rank resumes from the newest
+commit (see horolite/elastic and docs/elastic.md). Eager execution only.
 """
+from __future__ import annotations
 
-_WHY = ("horolite has no elastic training (a job is a fixed set of MPI ranks); "
-        "use a plain training loop with checkpoints, and restart the job to change its size")
+import numpy as np
+import tensorflow as tf
+
+from horolite.api.basics import rank
+from horolite.elastic import (HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State,
+                              run_fn)
+
+from .functions import broadcast_object, broadcast_variables
+
+__all__ = ["TensorFlowKerasState", "TensorFlowState", "run", "State", "ObjectState",
+           "HorovodInternalError", "HostsUpdatedInterrupt"]
 
 
-def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
-    raise NotImplementedError(f"hvd.elastic.{name}: {_WHY}")
+def run(func):
+    """Decorator for the elastic training function `func(state, *args, **kwargs)`.
+
+    Before `func` runs, the state is synchronized (after a restart: first restored from
+    the newest commit); a change of hosts or a lost rank restarts the job from the last
+    commit. Collectives must not be called in the decorated call itself."""
+    return run_fn(func, None)
+
+
+def _eager(what: str) -> None:
+    if not tf.executing_eagerly():
+        raise ValueError(f"{what}: horolite's elastic states need eager execution "
+                         "(TensorFlow 2 without tf.compat.v1.disable_eager_execution())")
+
+
+def _value(var):
+    return var.value if hasattr(var, "path") else var  # Keras 3 variable or tf.Variable
+
+
+def _optimizer_variables(optimizer) -> list:
+    if optimizer is None:
+        return []
+    found = optimizer.variables
+    return list(found() if callable(found) else found)  # Keras 2's method, Keras 3's property
+
+
+def _host_array(tensor) -> np.ndarray:
+    """The tensor's values as a NumPy array, without a copy where TensorFlow allows it
+    (a saved tensor is never changed, so a read-only view of it is safe to write out)."""
+    view = getattr(tensor, "_numpy", None)
+    return view() if view is not None else tensor.numpy()
+
+
+def _model_built(model) -> bool:
+    return model.built if hasattr(model, "build") else True
+
+
+def _assign_all(variables, values, what: str) -> None:
+    variables, values = list(variables), list(values)
+    if len(variables) != len(values):
+        raise ValueError(f"{what}: the committed state has {len(values)} variables, this "
+                         f"process has {len(variables)}")
+    for var, value in zip(variables, values):
+        var.assign(value)
+
+
+class TensorFlowKerasState(ObjectState):
+    """State of a Keras model and its optimizer, plus any keyword properties.
+
+    Args:
+        model: a built Keras model.
+        optimizer: optional; default `model.optimizer`.
+        backend: accepted for Horovod's TensorFlow 1 sessions; unused (eager only).
+        kwargs: additional properties to sync, exposed as attributes.
+    """
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        _eager("TensorFlowKerasState")
+        self.model = model
+        if not _model_built(model):
+            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+        self.optimizer = optimizer or model.optimizer
+        self.backend = backend
+        self._save_model()
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+
+    def save(self):
+        self._save_model()
+        super().save()
+
+    def restore(self):
+        self._load_model()
+        super().restore()
+
+    def sync(self):
+        broadcast_variables(self.model.variables, root_rank=0,
+                            name="horolite.elastic.sync.model")
+        optimizer_vars = _optimizer_variables(self.optimizer)
+        if optimizer_vars:
+            broadcast_variables(optimizer_vars, root_rank=0,
+                                name="horolite.elastic.sync.optimizer")
+        self._save_model()
+        super().sync()
+
+    def _save_model(self):
+        self._saved_model_state = [tf.identity(_value(v)) for v in self.model.variables]
+        self._saved_optimizer_state = [tf.identity(_value(v))
+                                       for v in _optimizer_variables(self.optimizer)]
+
+    def _load_model(self):
+        _assign_all(self.model.variables, self._saved_model_state, "model")
+        _assign_all(_optimizer_variables(self.optimizer), self._saved_optimizer_state,
+                    "optimizer")
+
+    def _durable_state(self):
+        return dict(super()._durable_state(),
+                    model=[_host_array(t) for t in self._saved_model_state],
+                    optimizer=[_host_array(t) for t in self._saved_optimizer_state])
+
+    def _load_durable(self, obj):
+        saved_optimizer = obj["optimizer"]
+        if saved_optimizer and not _optimizer_variables(self.optimizer) and \
+                hasattr(self.optimizer, "build"):
+            # Keras 3 makes an optimizer's variables at its first step: a new process has none.
+            self.optimizer.build(self.model.trainable_variables)
+        self._saved_model_state = [tf.convert_to_tensor(a) for a in obj["model"]]
+        self._saved_optimizer_state = [tf.convert_to_tensor(a) for a in saved_optimizer]
+        self._load_model()
+        super()._load_durable(obj)
+
+
+class TensorFlowState(ObjectState):
+    """State of a list of TensorFlow variables, plus any keyword properties.
+
+    Args:
+        variables: the `tf.Variable`s to track (default `tf.compat.v1.global_variables()`).
+        session: accepted for Horovod's TensorFlow 1 sessions; eager execution only here.
+        kwargs: additional properties to sync, exposed as attributes.
+    """
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        _eager("TensorFlowState")
+        self.variables = variables or tf.compat.v1.global_variables()
+        self.session = session
+        self._save_model()
+        super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
+
+    def save(self):
+        self._save_model()
+        super().save()
+
+    def restore(self):
+        self._load_model()
+        super().restore()
+
+    def sync(self):
+        if self.variables:
+            broadcast_variables(self.variables, root_rank=0, name="horolite.elastic.sync.vars")
+        self._save_model()
+        super().sync()
+
+    def _save_model(self):
+        self._values = [np.array(_value(v).numpy(), copy=True) for v in self.variables]
+
+    def _load_model(self):
+        _assign_all(self.variables, self._values, "TensorFlowState")
+
+    def _durable_state(self):
+        return dict(super()._durable_state(), variables=self._values)
+
+    def _load_durable(self, obj):
+        self._values = list(obj["variables"])
+        self._load_model()
+        super()._load_durable(obj)

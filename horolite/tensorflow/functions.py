@@ -45,7 +45,10 @@ def broadcast_variables(variables, root_rank: int, process_set=global_process_se
     Eagerly this runs at once and returns None; in a graph it returns the op.
     All broadcasts are enqueued before any is awaited, so they fuse.
     """
-    check_process_set(process_set, "broadcast_variables")
+    if tf.executing_eagerly() or _core.is_initialized():
+        # In a graph, as in Horovod, building the op needs no init(): running it does
+        # (the enqueue then raises NotInitializedError naming the variable).
+        check_process_set(process_set, "broadcast_variables")
     variables = list(variables)
     prefix = name or "broadcast_variables"
     if not tf.executing_eagerly():

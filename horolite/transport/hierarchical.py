@@ -126,6 +126,7 @@ class Hierarchical:
             host_bounds = [bounds[i * k] for i in range(h + 1)]
             self.cross.allgather(buf, host_bounds)
         if k > 1:
+            self._waiter.guard()
             self._waiter.wait(self.local_comm.Ibcast(buf, root=0))
 
     def close(self) -> None:
@@ -158,6 +159,7 @@ class _JobRanks:
 
     def __init__(self, waiter, ranks: Sequence[int]):
         self._waiter, self._ranks = waiter, list(ranks)
+        self.guard = waiter.guard
 
     def wait(self, req, peer: int = -1) -> None:
         self._waiter.wait(req, self._ranks[peer] if peer >= 0 else peer)

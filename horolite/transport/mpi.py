@@ -41,13 +41,27 @@ class Waiter:
 
     WATCH_EVERY = 0.02
 
-    def __init__(self, polite: bool, watch: Optional[Callable] = None, channel=None):
+    def __init__(self, polite: bool, watch: Optional[Callable] = None, channel=None,
+                 links=None):
         self.polite = polite
         self.watch = watch
         self.channel = channel
+        # failure/links.py's LinkWatch, or None: MPICH's UCX layer crashes a rank that sends
+        # to a peer on another host once that peer's connection closed, and a nonblocking
+        # collective sends from inside MPI's progress, so while there are such connections
+        # every send and every look at a request (progress) comes after links.check(), and
+        # waits poll instead of blocking inside MPI.
+        self.links = links
+
+    def guard(self) -> None:
+        if self.links is not None:
+            self.links.check()
+
+    def _blocking(self) -> bool:
+        return not self.polite and (self.links is None or not self.links.remote)
 
     def wait(self, req: MPI.Request, peer: int = -1) -> None:
-        if not self.polite:
+        if self._blocking():
             self._block([req])
             return
         self._poll(req.Test, peer)
@@ -55,14 +69,14 @@ class Waiter:
     def wait_all(self, reqs: Sequence[MPI.Request], peer: int = -1) -> None:
         if not reqs:
             return
-        if not self.polite:
+        if self._blocking():
             self._block(list(reqs))
             return
         self._poll(lambda: MPI.Request.Testall(reqs), peer)
 
     def wait_any(self, reqs: Sequence[MPI.Request], peer: int = -1) -> int:
         """Wait until one of `reqs` (all active) completes; returns its index."""
-        if self.polite:
+        if not self._blocking():
             found = []
 
             def test():
@@ -103,7 +117,12 @@ class Waiter:
         spins = 0
         pause = 1e-5
         start = next_watch = 0.0
-        while not test():
+        guard = self.guard if self.links is not None else None
+        while True:
+            if guard is not None:
+                guard()
+            if test():
+                return
             spins += 1
             if spins > 64:
                 if spins < 80:
@@ -132,6 +151,7 @@ class PointToPoint:
         self._waiter = waiter
 
     def isend(self, buf: np.ndarray, dest: int = -1, tag: int = -1) -> MPI.Request:
+        self._waiter.guard()
         return self.comm.Isend(buf, self.right if dest < 0 else dest, _DATA_TAG if tag < 0 else tag)
 
     def irecv(self, buf: np.ndarray, source: int = -1, tag: int = -1) -> MPI.Request:
@@ -155,10 +175,11 @@ class MPITransport:
     device = "cpu"
 
     def __init__(self, comm: MPI.Comm, polite: bool, shared_memory=None, watch=None,
-                 channel=None):
+                 channel=None, links=None):
         """shared_memory: a shared_memory.SharedMemoryAllreduce for allreduce when every
-        rank is on this host, else None (the ring over MPI). watch, channel: see Waiter."""
-        self.waiter = Waiter(polite, watch, channel)
+        rank is on this host, else None (the ring over MPI). watch, channel, links: see
+        Waiter."""
+        self.waiter = Waiter(polite, watch, channel, links)
         self.shared_memory = shared_memory
         self.data_comm = comm.Dup()
         self.control_comm = comm.Dup()
@@ -183,12 +204,14 @@ class MPITransport:
     # ---- control plane (small, host-side) ----
     def control_or(self, vector: np.ndarray, out: np.ndarray) -> None:
         self.doing(CONTROL_LABEL)
+        self.waiter.guard()
         req = self.control_comm.Iallreduce(vector, out, op=MPI.BOR)
         self.waiter.wait(req)
 
     def gather_bytes(self, data: bytes, root: int = 0):
         """Every rank's `data` at `root` (a list in rank order; None elsewhere)."""
         comm = self.control_comm
+        self.waiter.guard()
         lengths = np.empty(self.size, dtype=np.int64) if self.rank == root else None
         wait = self.waiter.wait
         wait(comm.Igather(np.array([len(data)], dtype=np.int64), lengths, root=root))
@@ -206,6 +229,7 @@ class MPITransport:
     def bcast_bytes(self, data, root: int = 0) -> bytes:
         """`data` from `root` (ignored elsewhere) on every rank."""
         comm = self.control_comm
+        self.waiter.guard()
         length = np.array([len(data) if self.rank == root else 0], dtype=np.int64)
         self.waiter.wait(comm.Ibcast(length, root=root))
         buf = (np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root
@@ -216,6 +240,7 @@ class MPITransport:
     def allgather_ints(self, values: np.ndarray) -> np.ndarray:
         """Every rank's int64 `values` (same length everywhere), one row per rank."""
         out = np.empty((self.size, values.size), dtype=np.int64)
+        self.waiter.guard()
         self.waiter.wait(self.control_comm.Iallgather(np.ascontiguousarray(values, np.int64),
                                                       out))
         return out
@@ -259,12 +284,14 @@ class MPITransport:
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         if self.size > 1 and buf.nbytes:
+            self.waiter.guard()
             self.waiter.wait(self.data_comm.Ibcast(buf, root=root))
 
     def alltoall(self, send: np.ndarray, send_rows: np.ndarray, row_bytes: int):
         """Rows to each rank from `send` (bytes); returns (received bytes, rows from each rank)."""
         n, r = self.size, self.rank
         recv_rows = np.empty(n, dtype=np.int64)
+        self.waiter.guard()
         self.waiter.wait(self.data_comm.Ialltoall(np.ascontiguousarray(send_rows, dtype=np.int64),
                                                   recv_rows))
         send_off = np.concatenate(([0], np.cumsum(send_rows))) * row_bytes

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launcher_util import HANG_SSH, PROBE, marks, processes_with, wait_for_marks, wait_until_gone
+from launcher_util import HANG_SSH, PROBE, REPO, marks, processes_with, wait_for_marks, wait_until_gone
 
 pytestmark = pytest.mark.skipif(
     shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
@@ -160,3 +160,17 @@ def test_unknown_host_and_missing_command_fail_fast(run):
 def test_no_mpi_is_a_clear_error(run):
     r = run("-np", "2", "true", env={"HOROLITE_MPIRUN": "/nonexistent/mpirun"})
     assert r.returncode == 2 and 'pip install "horolite[mpich]"' in r.stderr
+
+
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_a_quorum_straggler_ends_the_job_with_exit_0(run, tmp_path, np_):
+    """The quorum straggler of tests/parallel/test_quorum.py under horolite-run: the
+    fast ranks leave first, the straggler finishes its decided steps, the job exits 0."""
+    rank_pytest = os.path.join(REPO, "tests", "rank_pytest.py")
+    quorum = os.path.join(REPO, "tests", "parallel", "test_quorum.py")
+    r = run("-np", str(np_), sys.executable, rank_pytest, quorum, "-k", "straggler",
+            timeout=120, env={"HOROLITE_TEST_OUTDIR": str(tmp_path)})
+    logs = {q: (tmp_path / f"rank{q}.log").read_text() for q in range(np_)}
+    assert r.returncode == 0, r.stderr + "\n".join(logs.values())
+    assert "1 passed" in logs[np_ - 1], logs[np_ - 1]
+    assert "job failed" not in r.stderr

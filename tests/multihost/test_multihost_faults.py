@@ -45,6 +45,37 @@ def test_a_link_down_for_5_seconds_is_survived_with_right_results(bed, no_leftov
     assert max(longest) >= 3.0, out
 
 
+OUTAGE = float(os.environ.get("HOROLITE_TEST_OUTAGE_SECONDS", "20"))
+
+
+def test_after_an_outage_the_job_ends_quietly_and_together(bed, no_leftovers, tmp_path):
+    """A link down past the stall warning: the beats each rank sent meanwhile arrive late,
+    all at once. They are taken in at shutdown (heartbeat.py), so the MPI library has no
+    unmatched message to complain about, and both ranks shut down within a moment."""
+    ready = str(tmp_path / "ready")
+    job = bed.popen(0, [HOROLITE_RUN, "-H", "hl-a:1,hl-b:1", "--stall-check-warning-time-seconds",
+                        "3", "python", STEADY, "8", ready],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(ready, job)
+        time.sleep(1)
+        bed.link("hl-b", up=False)
+        time.sleep(OUTAGE)
+        bed.link("hl-b", up=True)
+        out, err = job.communicate(timeout=180)
+    finally:
+        bed.link("hl-b", up=True)
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode == 0, out + err
+    assert "no word from rank 1 (host hl-b)" in err  # the outage was seen
+    assert "was not matched" not in out + err, (out + err)[-3000:]
+    ends = [float(t) for t in re.findall(r"rank \d: shut down at ([0-9.]+)", out)]
+    assert len(ends) == 2, out
+    assert abs(ends[0] - ends[1]) < 3.0, out
+
+
 @pytest.mark.parametrize("hosts,env", [
     ("hl-a:1,hl-b:1,hl-c:2", {}),
     ("hl-a:2,hl-c:2", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"})], ids=["ring", "hierarchical"])

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 import horolite as hvd
+from horolite.failure.shm_files import mapped_shm_files
 
 
 def main():
@@ -29,7 +30,8 @@ def main():
     mark = {"rank": rank, "size": hvd.size(), "local_size": hvd.local_size(),
             "sum": total.tolist(), "ranks": ranks.tolist(), "pid": os.getpid(),
             "host": socket.gethostname(),
-            "slurm": {k: v for k, v in os.environ.items() if k.startswith("SLURM")}}
+            "slurm": {k: v for k, v in os.environ.items() if k.startswith("SLURM")},
+            "shm": sorted(mapped_shm_files(os.getpid()))}  # what must not outlive a failure
     tmp = os.path.join(args.outdir, f".{rank}.tmp")
     with open(tmp, "w") as f:
         json.dump(mark, f)

@@ -167,3 +167,20 @@ def test_horolite_run_inside_an_srun_step(slurm, jobdir):
                   cwd=str(jobdir), check=False, timeout=120)
     assert r.returncode == 0, r.stderr
     check_nodes(check_ranks(jobdir / "out", 4))  # SLURM_JOB_CPUS_PER_NODE=2(x2)
+
+
+def test_a_failed_srun_step_leaves_no_shared_memory(slurm, jobdir):
+    """srun without horolite-run: the failing task exits without MPI_Finalize and srun
+    stops the other (-K); the task that is stopped unlinks the host's MPICH segment on
+    its way out (horolite/failure/shm_files.py), so nothing the tasks mapped from /dev/shm stays."""
+    r = slurm.cmd("srun", "-K", "-n", "2", "--ntasks-per-node=2", "--mpi=pmi2", sys.executable,
+                  RANK_JOB, str(jobdir / "out"), "--fail-rank", "1", "--sleep", "60",
+                  cwd=str(jobdir), check=False, timeout=120)
+    assert r.returncode != 0
+    found = marks(jobdir / "out")
+    assert len(found) == 2, r.stderr  # both ran collectives first
+    mapped = {p for m in found.values() for p in m["shm"]}
+    assert any("mpich_shm_" in p for p in mapped), found  # else nothing is checked
+    time.sleep(1)
+    left = [p for p in mapped if os.path.exists(p)]
+    assert not left, f"left in /dev/shm: {left}\n{r.stderr[-2000:]}"

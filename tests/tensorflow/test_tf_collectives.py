@@ -372,3 +372,23 @@ def test_mismatch_error_names_tensor(mode):
         assert "TensorMismatchError" in str(info.value) and "shape" in str(info.value)
     # The runtime survives a per-tensor error.
     np.testing.assert_allclose(hvd.allreduce(tf.constant([1.0]), op=hvd.Sum).numpy(), [N])
+
+
+def test_broadcast_global_variables_in_a_graph_built_before_init():
+    # Horovod's test_horovod_broadcast_graph_mode builds the op with horovod not
+    # initialized (an earlier test shut it down): building needs no init, running does.
+    hvd.shutdown()
+    try:
+        with tf.Graph().as_default():
+            assert hvd.broadcast_global_variables(root_rank=0) is not None  # no variables
+            v = tf.compat.v1.get_variable("late", initializer=tf.constant(value(R)))
+            bcast = hvd.broadcast_global_variables(root_rank=N - 1)
+            hvd.init()
+            with tf.compat.v1.Session() as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                sess.run(bcast)
+                np.testing.assert_array_equal(sess.run(v), value(N - 1))
+    finally:
+        if not hvd.is_initialized():
+            hvd.init()
+    assert hvd.rank() == R and hvd.size() == N

@@ -72,8 +72,6 @@ def test_unregistered_process_sets_are_refused_naming_the_set():
             call()
     with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS=1"):
         hvd.add_process_set([0])
-    with pytest.raises(NotImplementedError, match="elastic"):
-        hvd.elastic.TensorFlowKerasState  # noqa: B018
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -422,3 +420,28 @@ def test_keras_momentum_correction_scales_the_momentum_buffers():
         w, b = w + m_w, b + m_b
     np.testing.assert_allclose(train(True), w, rtol=1e-5, atol=1e-6)
     assert not np.allclose(train(False), w, rtol=1e-5, atol=1e-6)
+
+
+def test_keras_distributed_optimizer_variables_is_a_list_and_callable():
+    # Horovod's TF2 examples call opt.variables() (a method in TF 2's Keras); Keras 3
+    # made it a property. The wrapper's works both ways, and Keras still gets a list.
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9))
+    v = tf.Variable(np.zeros(3, np.float32))
+    opt.apply_gradients([(tf.constant(np.full(3, R + 1.0, np.float32)), v)])
+    as_list, called = opt.variables, opt.variables()
+    assert isinstance(as_list, list) and type(called) is list
+    assert len(as_list) == len(called) >= 2  # iterations, the momentum slot
+    assert all(a is b for a, b in zip(as_list, called))
+    for var in called:
+        var.assign(tf.cast(tf.fill(var.shape, R + 5), var.dtype))
+    hvd.broadcast_variables(opt.variables(), root_rank=N - 1)
+    for var in opt.variables:
+        np.testing.assert_array_equal(var.numpy(), np.full(var.shape, N + 4))
+
+
+def test_keras_distributed_optimizer_answers_keras_2s_lr():
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.001 * N))
+    assert float(tf.keras.backend.get_value(opt.lr)) == pytest.approx(0.001 * N)
+    opt.lr = 0.5
+    assert float(opt.learning_rate.numpy()) == 0.5
+    assert "lr" not in opt.get_config()  # what Keras saves is unchanged

@@ -286,3 +286,31 @@ def test_legacy_wrappers_answer_for_the_wrapped_optimizers_slots(wrapper):
     assert opt.get_slot(w, "momentum") is inner.get_slot(w, "momentum")
     assert [v.ref() for v in opt.variables()] == [v.ref() for v in inner.variables()]
     assert opt.get_slot(w, "momentum").numpy().sum() != 0
+
+
+@pytest.mark.parametrize("mode", ["eager"])
+def test_a_straggler_several_steps_behind_finishes_after_the_others_left(mode):
+    """Last in this file: ranks 0..N-2 run every step and shut down; only then does the
+    last rank run its steps. Each was decided without it, so it applies the same
+    updates: its variables equal the simulation of ranks 0..N-2 (as everyone's do), and
+    it ends normally."""
+    if N == 1:
+        pytest.skip("needs a straggler")
+    k = N - 1
+    opt = hvd.SyncReplicasOptimizer(tf.keras.optimizers.SGD(LR), replicas_to_aggregate=k,
+                                    total_num_replicas=N)
+    wv, bv = tf.Variable(W0), tf.Variable(B0)
+    x, y = (tf.constant(a) for a in shard(R))
+    if R == LAST:
+        for q in range(k):
+            _wait_for(f"straggler.left.{q}")
+    for _ in range(STEPS):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, wv) + bv - y))
+        opt.apply_gradients(zip(tape.gradient(loss, [wv, bv]), [wv, bv]))
+    if R != LAST:
+        hvd.shutdown()
+        _mark(f"straggler.left.{R}")
+    ws, _ = simulate("sync", k=k)
+    np.testing.assert_allclose(wv.numpy(), ws[R][0], atol=2e-5)
+    np.testing.assert_allclose(bv.numpy(), ws[R][1], atol=2e-5)

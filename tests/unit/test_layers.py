@@ -16,6 +16,7 @@ LAYERS = [
     ("horolite.execution",),
     ("horolite.runtime",),
     ("horolite.api", "horolite.device", "horolite"),
+    ("horolite.elastic",),
     ("horolite.tensorflow", "horolite.keras", "horolite.launcher"),
 ]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from . import keras_hooks
+from . import backup_restore, keras_hooks
 
 keras_hooks.check_keras_version()
 
@@ -33,7 +33,7 @@ from .. import reducescatter as _reducescatter
 from ..gradients import GradientReducer, LocalAggregator, check_arguments
 from ..wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
                                   SyncReplicasOptimizer)
-from . import callbacks
+from . import callbacks, elastic
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
@@ -42,13 +42,34 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "Average", "Sum", "Adasum", "Min",
            "Max", "Product", "Compression", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "grouped_reducescatter",
            "broadcast", "reducescatter", "join", "broadcast_variables", "broadcast_object", "allgather_object",
-           "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization", "load_model", "callbacks", "broadcast_global_variables",
+           "DistributedOptimizer", "PartialDistributedOptimizer", "SyncBatchNormalization", "load_model", "callbacks", "elastic", "broadcast_global_variables",
            "ModelAverageOptimizer", "ElasticAverageOptimizer", "SyncReplicasOptimizer",
            "ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
 
+class _VariableList(list):
+    """Keras 3's `optimizer.variables` (a list), also callable as TF 2's `variables()` was:
+    Horovod-era code such as `hvd.broadcast_variables(opt.variables(), 0)` runs unchanged."""
+
+    def __call__(self):
+        return list(self)
+
+
 class _DistributedMixin:
     """Mixed into the wrapped optimizer's class: `apply` reduces the gradients first."""
+
+    @property
+    def variables(self):
+        return _VariableList(super().variables)
+
+    @property
+    def lr(self):
+        """Keras 2's name of `learning_rate` (Horovod-era callbacks and scripts read it)."""
+        return self.learning_rate
+
+    @lr.setter
+    def lr(self, value):
+        self.learning_rate = value
 
     def _horolite_setup(self, reducer, passes, average):
         self._horolite_reducer = reducer
@@ -88,6 +109,7 @@ class _DistributedMixin:
 
 
 keras_hooks.install(_DistributedMixin)
+backup_restore.install()
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",

@@ -32,5 +32,7 @@ while True:
     if go[0] == 0:
         break
     time.sleep(0.01)
-print(f"rank {hvd.rank()}: {step} steps checked, longest {longest:.1f} s", flush=True)
+rank = hvd.rank()
+print(f"rank {rank}: {step} steps checked, longest {longest:.1f} s", flush=True)
 hvd.shutdown()
+print(f"rank {rank}: shut down at {time.time():.3f}", flush=True)

@@ -154,9 +154,7 @@ HOROVODRUN_FLAGS = """-v --version -np --num-proc -cb --check-build --disable-ca
 --log-with-timestamp --log-without-timestamp -prefix-timestamp --prefix-output-with-timestamp
 --log-hide-timestamp --no-log-hide-timestamp -H --hosts -hostfile --hostfile
 --host-discovery-script --gloo --mpi --jsrun""".split()
-REFUSED = {"--min-np", "--min-num-proc", "--max-np", "--max-num-proc", "--slots-per-host",
-           "--elastic-timeout", "--reset-limit", "--blacklist-cooldown-range",
-           "--host-discovery-script", "--gloo", "--jsrun", "--gloo-timeout-seconds"}
+REFUSED = {"--gloo", "--jsrun", "--gloo-timeout-seconds"}
 
 
 def test_every_horovodrun_flag_exists():

@@ -1,0 +1,27 @@
+"""Where this rank is: rank/size of the job, of its host and across hosts."""
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from ..core.hosts import host_name, split_by_host
+
+__all__ = ["Topology"]
+
+
+class Topology:
+    """rank/size of the job, of this host and across hosts."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        local = split_by_host(comm)  # (HOROLITE_TEST_HOST_IDENTITY: pretend hosts, tests only)
+        self.local_rank = local.Get_rank()
+        self.local_size = local.Get_size()
+        cross = comm.Split(color=self.local_rank, key=self.rank)
+        self.cross_rank = cross.Get_rank()
+        self.cross_size = cross.Get_size()
+        local_sizes = comm.allgather(self.local_size)
+        self.is_homogeneous = len(set(local_sizes)) == 1
+        self.hostname = host_name()
+        local.Free()
+        cross.Free()
