@@ -38,7 +38,8 @@ def _native_off(env) -> bool:
 # installed, a GPU case on a machine with a GPU) hides a test that did not run.
 EXPECTED_SKIPS = [
     (r"needs at least two ranks|a mismatch needs (at least )?two ranks|one rank has nobody"
-     r"|one rank cannot disagree|needs a late rank|needs a joined rank|needs a rank outside a set",
+     r"|one rank cannot disagree|needs a late rank|needs a joined rank|needs a rank outside a set"
+     r"|needs a straggler",
      lambda np_, env: np_ < 2),
     (r"a subset of two ranks needs a third outside it", lambda np_, env: np_ < 3),
     (r"^needs 4 ranks$", lambda np_, env: np_ < 4),
@@ -48,6 +49,7 @@ EXPECTED_SKIPS = [
      r"|not every rank can use NCCL|NCCL does not load|cupy not installed",
      lambda np_, env: not _has_gpu()),
     (r"cupy not importable here", lambda np_, env: importlib.util.find_spec("cupy") is None),
+    (r"^TensorFlow is not installed here", lambda np_, env: importlib.util.find_spec("tensorflow") is None),
     (r"HOROLITE_TF_NATIVE_OPS=0 in this run", lambda np_, env: _native_off(env)),
 ]
 
