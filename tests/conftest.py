@@ -15,3 +15,16 @@ import importlib.util  # noqa: E402
 _tf_spec = importlib.util.find_spec("tensorflow")
 if _tf_spec is not None and _tf_spec.origin is None:
     sys.modules["tensorflow"] = None
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What ran inside the mpirun jobs: the driver's count above says only how many jobs."""
+    mpirun = sys.modules.get("mpirun")
+    if mpirun is None or not mpirun.RESULTS["jobs"]:
+        return
+    res = mpirun.RESULTS
+    terminalreporter.write_sep("=", "rank side (every rank of every mpirun job)")
+    terminalreporter.write_line(f"{res['jobs']} jobs: {res['passed']} passed, {res['skipped']} skipped "
+                                "(each skip expected on this machine)")
+    for reason, count in sorted(res["reasons"].items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"  {count:6d} skipped: {reason}")

@@ -6,7 +6,11 @@ to their own file so a failure shows which rank said what.
 """
 from __future__ import annotations
 
+import glob
+import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +18,70 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK_COUNTS = (1, 2, 3, 4)
+
+# Every rank-side job's counts, summed over its ranks, for the terminal summary
+# (tests/conftest.py): {"jobs", "passed", "skipped", "reasons": {reason: count}}.
+RESULTS = {"jobs": 0, "passed": 0, "skipped": 0, "reasons": {}}
+
+
+def _has_gpu() -> bool:
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+
+
+def _native_off(env) -> bool:
+    return env.get("HOROLITE_TF_NATIVE_OPS", "1").strip().lower() in ("0", "false", "no", "off")
+
+
+# The rank-side skips a job may have, each with when it is expected: (reason pattern,
+# expected(np_, env)). Any other skip fails the job: a skip that is not expected on this
+# machine (a hierarchical case on a layout where it should run, CuPy missing where it is
+# installed, a GPU case on a machine with a GPU) hides a test that did not run.
+EXPECTED_SKIPS = [
+    (r"needs at least two ranks|a mismatch needs (at least )?two ranks|one rank has nobody"
+     r"|one rank cannot disagree|needs a late rank|needs a joined rank|needs a rank outside a set"
+     r"|needs a straggler",
+     lambda np_, env: np_ < 2),
+    (r"a subset of two ranks needs a third outside it", lambda np_, env: np_ < 3),
+    (r"^needs 4 ranks$", lambda np_, env: np_ < 4),
+    (r"^not a member$", lambda np_, env: True),  # process sets: this rank is outside the set
+    (r"^run at np \(.*\) only \(suite time\)$", lambda np_, env: True),
+    (r"no NCCL transport here|no CUDA device|needs two visible GPUs|TensorFlow sees no GPU"
+     r"|not every rank can use NCCL|NCCL does not load|cupy not installed",
+     lambda np_, env: not _has_gpu()),
+    (r"cupy not importable here", lambda np_, env: importlib.util.find_spec("cupy") is None),
+    (r"^TensorFlow is not installed here", lambda np_, env: importlib.util.find_spec("tensorflow") is None),
+    (r"HOROLITE_TF_NATIVE_OPS=0 in this run", lambda np_, env: _native_off(env)),
+]
+
+
+def unexpected_skips(skips, np_: int, env) -> list:
+    """The [test id, reason] skips that EXPECTED_SKIPS does not allow for this job."""
+    return [(test, reason) for test, reason in skips
+            if not any(re.search(pattern, reason) and expected(np_, env)
+                       for pattern, expected in EXPECTED_SKIPS)]
+
+
+def _collect(outdir: str, np_: int, env) -> str:
+    """Add the job's rank counts to RESULTS; return why they are wrong, or ""."""
+    problems, skips = [], []
+    for r in range(np_):
+        path = os.path.join(outdir, f"rank{r}.json")
+        if not os.path.exists(path):
+            problems.append(f"rank {r} wrote no results")
+            continue
+        with open(path) as f:
+            counts = json.load(f)
+        RESULTS["passed"] += counts["passed"]
+        RESULTS["skipped"] += counts["skipped"]
+        for test, reason in counts["skips"]:
+            RESULTS["reasons"][reason] = RESULTS["reasons"].get(reason, 0) + 1
+        skips += [(r, test, reason) for test, reason in counts["skips"]]
+        if counts["passed"] == 0 and counts["skipped"] == 0:
+            problems.append(f"rank {r} ran no test")
+    RESULTS["jobs"] += 1
+    bad = unexpected_skips([(t, why) for _, t, why in skips], np_, env)
+    problems += [f"unexpected skip on this machine: {t}: {why}" for t, why in dict.fromkeys(bad)]
+    return "\n".join(problems)
 
 
 def mpirun_command(np_: int) -> list:
@@ -57,4 +125,7 @@ def run_pytest_file(path: str, np_: int, env: dict | None = None, timeout: float
         raise AssertionError(
             f"{os.path.relpath(path, ROOT)} failed under mpirun -np {np_} (exit {code})\n"
             f"{out[-4000:]}\n" + "\n".join(logs))
+    problems = _collect(outdir, np_, child_env)
+    if problems:
+        raise AssertionError(f"{os.path.relpath(path, ROOT)} under mpirun -np {np_}:\n{problems}")
     shutil.rmtree(outdir, ignore_errors=True)

@@ -1,9 +1,30 @@
-"""One rank's side of a matrix run: pytest the given file, output to rank<N>.log."""
+"""One rank's side of a matrix run: pytest the given file, output to rank<N>.log, and
+the counts of what passed, failed and skipped (with each skip's reason) to rank<N>.json
+for the driver's summary (tests/mpirun.py)."""
+import json
 import os
 import sys
 import tempfile
 
 import pytest
+
+
+class Outcomes:
+    """Counts this rank's results; a skip keeps its test id and reason."""
+
+    def __init__(self):
+        self.counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+        self.skips = []
+
+    def pytest_runtest_logreport(self, report):
+        if report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.counts["skipped"] += 1
+            self.skips.append([report.nodeid, reason.replace("Skipped: ", "", 1)])
+        elif report.failed:
+            self.counts["failed" if report.when == "call" else "errors"] += 1
+        elif report.when == "call":
+            self.counts["passed"] += 1
 
 
 def main():
@@ -14,7 +35,11 @@ def main():
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     os.environ["HOROLITE_UNDER_MPIRUN"] = "1"
-    code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", *sys.argv[1:]])
+    outcomes = Outcomes()
+    code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", *sys.argv[1:]],
+                       plugins=[outcomes])
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump({"exit": int(code), **outcomes.counts, "skips": outcomes.skips}, f)
     if "horolite" in sys.modules:
         sys.modules["horolite"].shutdown()
     log.flush()

@@ -1,4 +1,5 @@
 """Every example runs under horolite-run on 2 ranks (the main job of the README among them)."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -26,9 +27,11 @@ def test_numpy_logistic_regression():
     assert float(re.search(r"test accuracy=([\d.]+)", out).group(1)) > 0.95
 
 
-tf = pytest.importorskip("tensorflow")
+needs_tf = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                              reason="TensorFlow is not installed")
 
 
+@needs_tf
 def test_digits_same_accuracy_on_one_and_two_ranks():
     acc = {}
     for np_ in (1, 2):
@@ -39,11 +42,28 @@ def test_digits_same_accuracy_on_one_and_two_ranks():
     assert acc[1] > 0.9 and abs(acc[1] - acc[2]) <= 0.02, acc
 
 
+@needs_tf
 @pytest.mark.parametrize("name", ["tensorflow1_legacy_optimizer.py", "keras_fit.py",
                                   "tensorflow2_synthetic_benchmark.py"])
 def test_tensorflow_examples(name):
     out = run_example(name, 2)
     assert "[0]<stdout>:" in out
+    if name == "tensorflow1_legacy_optimizer.py":  # 4 passes per update, and it learns
+        rows = [(int(p), int(u), float(a)) for p, u, a in re.findall(
+            r"\[0\]<stdout>:pass (\d+), update (\d+): accuracy on the shards ([\d.]+)", out)]
+        assert [p for p, _, _ in rows] == [100, 200, 300], out[-3000:]
+        assert all(p // 4 - 1 <= u <= p // 4 for p, u, _ in rows), rows
+        assert rows[-1][2] > rows[0][2] and rows[-1][2] > 0.9, rows
+    if name == "tensorflow2_synthetic_benchmark.py":  # every iteration timed, totals add up
+        assert re.search(r"\[0\]<stdout>:model \w+, \d+ gradient tensors, batch \d+ per rank, "
+                         r"2 ranks", out), out[-3000:]
+        rates = [float(r) for r in re.findall(r"\[0\]<stdout>:iter #\d+: ([\d.]+) img/sec per rank",
+                                              out)]
+        mean = re.search(r"\[0\]<stdout>:img/sec per rank: ([\d.]+) \+-", out)
+        total = re.search(r"\[0\]<stdout>:total img/sec on 2 rank\(s\): ([\d.]+) \+-", out)
+        assert len(rates) == 3 and all(r > 0 for r in rates) and mean and total, out[-3000:]
+        assert abs(float(mean.group(1)) - sum(rates) / 3) <= 0.15  # (printed to 0.1)
+        assert abs(float(total.group(1)) - 2 * float(mean.group(1))) <= 0.2
     if name == "keras_fit.py":  # the resume from rank 0's checkpoint carries on training
         saved = re.search(r"test accuracy: [\d.]+ at iteration (\d+)", out)
         resumed = re.search(r"resumed from digits.keras at iteration (\d+): test accuracy: ([\d.]+)", out)
@@ -53,6 +73,7 @@ def test_tensorflow_examples(name):
         assert float(resumed.group(2)) > 0.8
 
 
+@needs_tf
 def test_wrapper_optimizers_digits():
     out = run_example("wrapper_optimizers_digits.py", 2, "--epochs", "2", "--straggler-ms", "5")
     rows = re.findall(r"\| (\w+)\(?[^|]*\| ([\d.]+) \| ([\d.]+) \|", out)

@@ -68,9 +68,12 @@ def test_quorum(np_, variant):
     run_pytest_file(os.path.join(PARALLEL, "test_quorum.py"), np_, VARIANTS[variant])
 
 
-@pytest.mark.parametrize("np_", RANK_COUNTS)
-def test_process_sets(np_):
-    run_pytest_file(os.path.join(PARALLEL, "test_process_sets.py"), np_)
+@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS]
+                         + [(n, "mpi-ring") for n in (3, 4, 5)])
+def test_process_sets(np_, variant):
+    # (np 5: sets of 3 and 4 ranks that are not the whole job; mpi-ring: each set's
+    # collectives over the MPI ring, the path sets that span hosts take)
+    run_pytest_file(os.path.join(PARALLEL, "test_process_sets.py"), np_, VARIANTS[variant])
 
 
 SET_FAILURE_SCRIPT = """
@@ -121,3 +124,33 @@ def test_a_failure_outside_a_process_set_fails_its_pending_collectives(tmp_path)
 @pytest.mark.parametrize("np_", RANK_COUNTS)
 def test_ring_pieces(np_):
     run_pytest_file(os.path.join(PARALLEL, "test_ring_pieces.py"), np_)
+
+
+# Pretend hosts (HOROLITE_TEST_HOST_IDENTITY, horolite/core/hosts.py): ranks of this machine
+# look like hosts of these sizes, so the default multi-host path runs here: hierarchical
+# collectives where hosts hold several ranks each (2+2), the flat MPI ring with no shared
+# memory elsewhere. The runtime's whole matrix runs on each (test_collectives.py checks the
+# path each layout must take), and the hierarchical pieces where they apply.
+LAYOUTS = ["1+1", "2+1", "1+2", "1+3", "2+2", "1+1+1+1"]
+
+
+def ranks_of(layout):
+    return sum(int(n) for n in layout.split("+"))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pretend_hosts_collectives(layout):
+    run_pytest_file(os.path.join(PARALLEL, "test_collectives.py"), ranks_of(layout),
+                    {"HOROLITE_TEST_HOST_IDENTITY": layout})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pretend_hosts_hierarchical_pieces(layout):
+    run_pytest_file(os.path.join(PARALLEL, "test_ring_pieces.py"), ranks_of(layout),
+                    {"HOROLITE_TEST_HOST_IDENTITY": layout}, pytest_args=["-k", "hierarchical"])
+
+
+@pytest.mark.parametrize("layout", ["2+2", "1+3"])
+def test_pretend_hosts_process_sets(layout):
+    run_pytest_file(os.path.join(PARALLEL, "test_process_sets.py"), ranks_of(layout),
+                    {"HOROLITE_TEST_HOST_IDENTITY": layout})

@@ -22,9 +22,20 @@ def test_tensorflow_rank_file(path, np_):
     run_pytest_file(path, np_, env=QUIET, timeout=300)
 
 
-def test_python_wait_ops_when_the_native_op_is_off():
-    # Where the native wait op cannot be built, graphs fall back to Python wait ops:
-    # the same results, and mismatches still fail on every rank naming the tensor.
+# What the Python wait ops must do as the native op does: every collective in graphs and
+# tf.function, gradients, the one-op training step, and mismatches failing on every rank.
+FALLBACK = {
+    "test_tf_collectives.py": "wait_op or allreduce or allgather or broadcast or alltoall or "
+                              "reducescatter or gradients or mismatch or indexed_slices",
+    "test_tf_training.py": "graph_step or tape_data_parallel",
+}
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize("name", sorted(FALLBACK))
+def test_python_wait_ops_when_the_native_op_is_off(name, np_):
+    # Where the native wait op cannot be built, graphs fall back to Python wait ops. The
+    # ranks check the fallback is the op in their graphs (test_the_wait_op_in_graphs_...).
     env = dict(QUIET, HOROLITE_TF_NATIVE_OPS="0")
-    run_pytest_file(os.path.join(ROOT, "tests", "tensorflow", "test_tf_collectives.py"), 2, env=env,
-                    timeout=300, pytest_args=["-k", "mismatch or indexed_slices"])
+    run_pytest_file(os.path.join(ROOT, "tests", "tensorflow", name), np_, env=env,
+                    timeout=300, pytest_args=["-k", FALLBACK[name]])

@@ -29,6 +29,7 @@ class ResponseCache:
         # takes the least recent, the lowest slot on a tie, the same on every rank.
         self._last_used = np.full(capacity, -1, dtype=np.int64)
         self._clock = 0
+        self.evictions = 0  # slots given to another tensor when full (tests read it)
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -61,6 +62,7 @@ class ResponseCache:
             else:
                 slot = int(np.argmin(self._last_used))
                 evicted = slot
+                self.evictions += 1
                 self.erase(slot)
         signature = request.signature()
         self._responses[slot] = response

@@ -171,6 +171,7 @@ class Executor:
         self.rank = transport.rank
         self.size = transport.size
         self.fusion_threshold = fusion_threshold
+        self.fused_batches = 0  # allreduces of several tensors in one buffer (tests read it)
         shared = getattr(transport, "shared_memory", None)
         self.outputs = OutputPool(shared.arena if shared is not None else None)
         self._plans = {}  # see _plan
@@ -291,6 +292,7 @@ class Executor:
         inputs = [e.array if e is not None else self._input(r, e) for r, e in zip(batch, entries)]
         start = self._queue_spans(batch, entries)
         if len(batch) > 1:
+            self.fused_batches += 1
             # One result array for the batch, reduced in place; each tensor's result is a
             # view of it (from the pool: reused once every view is gone).
             layout = layout or _FusedLayout(batch)

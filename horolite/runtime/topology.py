@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from ..core.hosts import host_name, split_by_host
+
 __all__ = ["Topology"]
 
 
@@ -12,7 +14,7 @@ class Topology:
     def __init__(self, comm: MPI.Comm):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        local = split_by_host(comm)  # (HOROLITE_TEST_HOST_IDENTITY: pretend hosts, tests only)
         self.local_rank = local.Get_rank()
         self.local_size = local.Get_size()
         cross = comm.Split(color=self.local_rank, key=self.rank)
@@ -20,6 +22,6 @@ class Topology:
         self.cross_size = cross.Get_size()
         local_sizes = comm.allgather(self.local_size)
         self.is_homogeneous = len(set(local_sizes)) == 1
-        self.hostname = MPI.Get_processor_name()
+        self.hostname = host_name()
         local.Free()
         cross.Free()

@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..core import kernels
+from ..core.hosts import split_by_host
 from .ring import Ring, even_bounds
 from ..core.settings import env_value
 from .mpi import PointToPoint
@@ -175,7 +176,7 @@ def open_hierarchical(comm: MPI.Comm, waiter, allreduce: bool, allgather: bool):
     in the environment, not when it is only the default."""
     if not allreduce and not allgather:
         return None, None
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local = split_by_host(comm)
     why = _layout(comm, local)
     if why is not None:
         asked = any(env_value(name) is not None for name, on in

@@ -191,6 +191,10 @@ class MPITransport:
         # hosts across several hosts; None: the flat ring.
         self.hierarchical_allreduce = None
         self.hierarchical_allgather = None
+        # Which path served each allreduce and allgather (one add each): how tests see
+        # that a setting or a host layout took effect.
+        self.paths = {"shared_memory": 0, "hierarchical": 0, "ring": 0,
+                      "hierarchical_allgather": 0, "ring_allgather": 0}
 
     def doing(self, what: str) -> None:
         """Name the work the next waits are for, in stall reports (collective_watch.py)."""
@@ -245,19 +249,25 @@ class MPITransport:
     def allreduce(self, buf: np.ndarray, op, postscale: float, what: str = "") -> None:
         """`what` names the tensors in a stall report, e.g. "tensor 'w'"."""
         if self.shared_memory is not None and buf.size:
+            self.paths["shared_memory"] += 1
             self.shared_memory.allreduce(buf, buf, op, postscale, what, self.waiter.watch)
         elif self.hierarchical_allreduce is not None:
+            self.paths["hierarchical"] += 1
             self.hierarchical_allreduce.allreduce(buf, op, postscale)
         else:
+            self.paths["ring"] += 1
             self.ring.allreduce(buf, op, postscale)
 
     def allreduce_from(self, src: np.ndarray, dst: np.ndarray, op, postscale: float,
                        what: str = "") -> None:
         if self.shared_memory is not None and src.size:
+            self.paths["shared_memory"] += 1
             self.shared_memory.allreduce(src, dst, op, postscale, what, self.waiter.watch)
         elif self.hierarchical_allreduce is not None:
+            self.paths["hierarchical"] += 1
             self.hierarchical_allreduce.allreduce_from(src, dst, op, postscale)
         else:
+            self.paths["ring"] += 1
             self.ring.allreduce_from(src, dst, op, postscale)
 
     def reducescatter(self, buf: np.ndarray, bounds: List[int], op, postscale: float) -> None:
@@ -266,8 +276,10 @@ class MPITransport:
     def allgather(self, buf: np.ndarray, bounds: List[int]) -> None:
         """buf is bytes; this rank's part already sits at bounds[rank]."""
         if self.hierarchical_allgather is not None:
+            self.paths["hierarchical_allgather"] += 1
             self.hierarchical_allgather.allgather(buf, bounds)
         else:
+            self.paths["ring_allgather"] += 1
             self.ring.allgather(buf, bounds)
 
     def broadcast(self, buf: np.ndarray, root: int) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..core import kernels
+from ..core.hosts import split_by_host
 from .._native import ffi as _ffi, lib as _lib
 from .result_arena import ResultArena, open_result_arena
 
@@ -139,7 +140,7 @@ def open_shared_memory(comm: MPI.Comm, polite: bool, report_after: float,
     """
     if comm.Get_size() < 2 or not enabled:
         return None
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    local = split_by_host(comm)
     try:
         all_local = local.Get_size() == comm.Get_size()
     finally:

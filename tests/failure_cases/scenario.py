@@ -48,17 +48,35 @@ def misbehave(step):
         handle.result()
 
 
+def freeze_in_the_data_phase():
+    """CASE sigstop-inside: the last rank stops itself once its background thread has
+    entered the data phase of tensor 'big' (every rank agreed to reduce it, so the peers
+    are in that data phase too, waiting for this rank's data): not 'some time after
+    submitting', which may land before or after the transfer."""
+    from horolite.api.basics import runtime
+    transport = runtime().transport
+    for method in ("allreduce", "allreduce_from"):
+        real = getattr(transport, method)
+
+        def hooked(*args, _real=real, **kwargs):
+            what = kwargs.get("what", args[-1] if args and isinstance(args[-1], str) else "")
+            if what == "tensor 'big'":
+                note("stopping in the data phase of tensor 'big'")
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return _real(*args, **kwargs)
+        setattr(transport, method, hooked)
+
+
 def big_step(step):
     """CASE sigstop-inside: every rank reduces 32 MB at step 3; the last one freezes
-    while the data moves (its peers wait for it inside the collective)."""
+    inside its data phase (freeze_in_the_data_phase)."""
     if CASE != "sigstop-inside" or step != 3:
         return
-    handle = hvd.allreduce_async(np.ones(1 << 22), name="big")
-    if RANK == BAD:
-        time.sleep(0.03)
-        note("stopping")
-        os.kill(os.getpid(), signal.SIGSTOP)
-    handle.result()
+    hvd.allreduce(np.ones(1 << 22), name="big")
+
+
+if CASE == "sigstop-inside" and RANK == BAD:
+    freeze_in_the_data_phase()
 
 
 # What this rank maps from /dev/shm (the MPI library's segments, horolite's window).

@@ -46,8 +46,9 @@ class BedUnavailable(RuntimeError):
     """Namespaces, sshd or iproute2 are missing here (the tests skip with this reason)."""
 
 
-def unavailable_reason() -> Optional[str]:
-    """Why no bed can be built on this machine, or None."""
+def absent_reason() -> Optional[str]:
+    """Why no bed can be built on this machine at all (not root, tools not installed):
+    the tests skip with it. Any other failure to build the bed fails them."""
     if os.geteuid() != 0:
         return "simulated hosts need root (network, PID and mount namespaces)"
     for tool in ("unshare", "nsenter", "ip", "ssh", "ssh-keygen"):
@@ -55,6 +56,14 @@ def unavailable_reason() -> Optional[str]:
             return f"{tool} is not installed (apt-get install iproute2 openssh-server util-linux)"
     if not os.path.exists(SSHD):
         return "sshd is not installed (apt-get install openssh-server)"
+    return None
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why no bed can be built on this machine, or None."""
+    absent = absent_reason()
+    if absent:
+        return absent
     probe = subprocess.run(["unshare", "--net", "--uts", "--pid", "--mount", "--fork",
                             "--mount-proc", "true"], capture_output=True, text=True)
     if probe.returncode != 0:

@@ -32,5 +32,10 @@ def run_pytest_across(bed, hosts: str, path: str, env=None, pytest_args=(), time
         raise AssertionError(f"{os.path.relpath(path, ROOT)} failed on {hosts} "
                              f"(exit {proc.returncode})\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}\n"
                              + "\n".join(logs))
+    from mpirun import _collect  # the same rank-side counts and skip check as on one host
+    ranks = sum(int(entry.split(":")[1]) for entry in hosts.split(","))
+    problems = _collect(outdir, ranks, dict(os.environ, **full_env))
+    if problems:
+        raise AssertionError(f"{os.path.relpath(path, ROOT)} on {hosts}:\n{problems}")
     shutil.rmtree(outdir, ignore_errors=True)
     return proc

@@ -1,4 +1,4 @@
-"""The collective matrix across simulated hosts (2x1, 2x2, 3x1 and 1/2/1), over ssh.
+"""The collective matrix across simulated hosts (2x1, 2x2, 3x1, 3x2 and 1/2/1), over ssh.
 
 The full matrix of variants runs on one host (tests/test_matrix_core.py); here
 each layout runs the same rank-side file once, so the ring crosses real
@@ -11,7 +11,7 @@ import pytest
 from jobs import ROOT, run_pytest_across
 
 LAYOUTS = {"2x1": "hl-a:1,hl-b:1", "2x2": "hl-a:2,hl-b:2", "3x1": "hl-a:1,hl-b:1,hl-c:1",
-           "1-2-1": "hl-a:1,hl-b:2,hl-c:1"}
+           "3x2": "hl-a:2,hl-b:2,hl-c:2", "1-2-1": "hl-a:1,hl-b:2,hl-c:1"}
 COLLECTIVES = os.path.join(ROOT, "tests", "parallel", "test_collectives.py")
 TOPOLOGY = os.path.join(ROOT, "tests", "multihost", "ranks", "topology.py")
 
@@ -21,7 +21,7 @@ TOPOLOGY = os.path.join(ROOT, "tests", "multihost", "ranks", "topology.py")
 # asked for), the flat ring serves.
 CASES = [("2x1", {}), ("2x2", {}), ("2x2", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "0"}),
          ("2x2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROLITE_HIERARCHICAL_ALLGATHER": "1"}),
-         ("3x1", {}), ("1-2-1", {}), ("1-2-1", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"})]
+         ("3x1", {}), ("3x2", {}), ("1-2-1", {}), ("1-2-1", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"})]
 
 @pytest.mark.parametrize("layout, env", CASES, ids=lambda c: c if isinstance(c, str) else
                          ",".join(f"{k}={v}" for k, v in c.items()) or "auto")
@@ -33,7 +33,8 @@ def test_collectives_and_topology_across_hosts(bed, no_leftovers, layout, env):
 RING_PIECES = os.path.join(ROOT, "tests", "parallel", "test_ring_pieces.py")
 
 
-@pytest.mark.parametrize("layout", ["2x2", "1-2-1"])
+@pytest.mark.parametrize("layout", ["2x2", "3x2", "1-2-1"])
 def test_pipelined_ring_and_hierarchical_across_hosts(bed, no_leftovers, layout):
-    """The ring and (on 2x2) the hierarchical pipeline with tiny pieces and chunks."""
+    """The ring and (on 2x2, 3x2: an odd number of hosts) the hierarchical pipeline with
+    tiny pieces and chunks."""
     run_pytest_across(bed, LAYOUTS[layout], RING_PIECES)

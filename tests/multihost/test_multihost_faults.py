@@ -99,7 +99,7 @@ def test_a_host_whose_link_stays_down_is_named_by_the_other_hosts_ranks(hosts, e
             job.kill()
             job.wait()
     assert job.returncode != 0
-    assert elapsed < 20, f"{elapsed:.0f}s: not ended by the stall shutdown"
+    assert elapsed < 50, f"{elapsed:.0f}s: not ended by the stall shutdown (the job runs 60 s)"
     # Every rank on the hosts still connected names hl-c's ranks (from their heartbeats),
     # whichever rank it was waiting for itself.
     silent = re.compile(r"no word from rank 2 \(host hl-c\), rank 3 \(host hl-c\) for \d+ s "

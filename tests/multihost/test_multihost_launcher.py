@@ -67,7 +67,7 @@ def test_kill_9_of_a_remote_rank_ends_the_job_naming_rank_host_and_pid(bed, no_l
     assert r.returncode == 128 + signal.SIGKILL, r.stderr
     # The pid of the process that died (as hl-b numbers it), not its wrapper's.
     assert f"rank 1 (host hl-b, pid {killed['pid']}) was killed by signal 9 (SIGKILL)" in r.stderr
-    assert after_kill < 10, f"the job ended {after_kill:.1f}s after the kill"
+    assert after_kill < 60, f"the job ended {after_kill:.1f}s after the kill (the ranks sleep 120 s)"
     assert "HYDU_sock_write" not in r.stderr + r.stdout
 
 

@@ -14,6 +14,7 @@ import pytest
 import horolite as hvd
 
 from float16_sums import rounding_sums
+from pretend_hosts import expected_topology, hierarchical_applies
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -267,10 +268,13 @@ def test_many_small_tensors_async():
 
 
 def test_topology():
-    assert 0 <= hvd.local_rank() < hvd.local_size() <= SIZE
-    local_sizes = hvd.allgather(np.array([hvd.local_size()]), name="topology.local_sizes").tolist()
-    # Across hosts the layout may be uneven (hosts of 1, 2 and 1 ranks): no grid then.
-    assert hvd.is_homogeneous() == (len(set(local_sizes)) == 1)
+    # The reference: every rank's host from its known identity (pretend_hosts.py), not
+    # horolite's allgather.
+    expect = expected_topology(RANK)
+    got = {"local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+           "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
+           "is_homogeneous": hvd.is_homogeneous()}
+    assert got == {k: expect[k] for k in got}, (got, expect["hosts"])
     if hvd.is_homogeneous():
         assert hvd.cross_size() * hvd.local_size() == SIZE
     assert isinstance(hvd.mpi_threads_supported(), bool)
@@ -415,3 +419,52 @@ def test_fused_async_allreduces_while_ranks_join():
     assert hvd.join() == SIZE - 1
     np.testing.assert_allclose(hvd.allreduce(np.ones(3), op=hvd.Sum, name="after.joinfused"),
                                np.full(3, SIZE))
+
+
+def setting(name, default):
+    """A setting as the matrix driver set it in the environment (either prefix)."""
+    return os.environ.get("HOROLITE_" + name, os.environ.get("HOROVOD_" + name, default))
+
+
+def test_the_jobs_settings_took_effect():
+    # The matrix variants (tests/test_matrix_core.py) differ only by environment: check the
+    # runtime did as told, from what it did (paths taken, batches fused, slots evicted).
+    from horolite.api.basics import runtime
+    rt = runtime()
+    paths, fused, evicted = dict(rt.transport.paths), rt.executor.fused_batches, rt.cache.evictions
+    members = 12  # more names than the smallest cache variant (7 slots) holds
+    for step in range(2):
+        # (two dtypes: the group goes as separate tensors submitted together, which fuse)
+        arrays = [np.full(10, RANK + i + step, np.float32 if i < members // 2 else np.float64)
+                  for i in range(members)]
+        got = hvd.grouped_allreduce(arrays, op=hvd.Sum, name=f"effect.{step}")
+        for i, g in enumerate(got):
+            np.testing.assert_array_equal(g, np.full(10, sum(r + i + step for r in range(SIZE))))
+        for i in range(members):
+            h = hvd.allreduce_async(np.full(3, RANK + i, np.float64), op=hvd.Sum, name=f"eff.{i}")
+            np.testing.assert_array_equal(hvd.synchronize(h), np.full(3, sum(r + i for r in range(SIZE))))
+    paths = {k: rt.transport.paths[k] - v for k, v in paths.items()}
+    fused, evicted = rt.executor.fused_batches - fused, rt.cache.evictions - evicted
+
+    hosts = expected_topology(RANK)["hosts"]
+    shared = SIZE > 1 and len(hosts) == 1 and setting("SHARED_MEMORY", "1") not in ("0", "false")
+    if SIZE > 1:
+        used = {k for k in ("shared_memory", "hierarchical", "ring") if paths[k]}
+        want = ("shared_memory" if shared else
+                "hierarchical" if hierarchical_applies() and
+                setting("HIERARCHICAL_ALLREDUCE", "1") not in ("0", "false") else "ring")
+        assert used == {want}, paths
+    threshold = int(setting("FUSION_THRESHOLD", str(128 << 20)))
+    if threshold == 0:  # every tensor alone: 2 x (12 grouped + 12 single) allreduces
+        assert fused == 0
+        if SIZE > 1:
+            assert sum(paths[k] for k in ("shared_memory", "hierarchical", "ring")) == 4 * members
+    else:  # each dtype's 6 members of a group fit any threshold here: fused at least once a step
+        assert fused >= 2, fused
+    capacity = int(setting("CACHE_CAPACITY", "1024"))
+    if capacity == 0:
+        assert len(rt.cache) == 0 and evicted == 0
+    elif capacity < 2 * members:  # the 24 names of a step cannot all stay
+        assert evicted > 0 and len(rt.cache) == capacity
+    else:
+        assert len(rt.cache) >= 2 * members

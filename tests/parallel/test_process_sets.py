@@ -13,8 +13,9 @@ from horolite.api import process_sets as ps_mod
 os.environ["HOROLITE_DYNAMIC_PROCESS_SETS"] = "1"  # add/remove below; the list works as well
 
 SIZE_HINT = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+# Sets of 1 to 4 ranks (4: at np 5), contiguous or not: "spread" is 3 ranks with a gap.
 SPECS = {"even": list(range(0, SIZE_HINT, 2)), "odd": list(range(1, SIZE_HINT, 2)),
-         "low": [0, 1], "high": list(range(1, SIZE_HINT))}
+         "low": [0, 1], "high": list(range(1, SIZE_HINT)), "spread": [0, 2, 3]}
 SETS = {}
 _by_ranks = {}
 for _name, _ranks in SPECS.items():

@@ -6,17 +6,23 @@ the decision it must miss is made, so which ranks contribute is known.
 Results are checked against NumPy from every rank's known inputs.
 """
 import os
+import tempfile
 import time
 
 import numpy as np
 import pytest
 
 import horolite as hvd
+from mpi4py import MPI
 
 hvd.init()
+COMM = MPI.COMM_WORLD
 RANK, SIZE = hvd.rank(), hvd.size()
 LAST = SIZE - 1
-OUTDIR = os.environ.get("HOROLITE_TEST_OUTDIR", "/tmp")
+# The marker files' folder: the driver's, or a fresh one rank 0 makes (never /tmp itself,
+# where an earlier run's markers would make the late rank not late).
+OUTDIR = os.environ.get("HOROLITE_TEST_OUTDIR") or COMM.bcast(
+    tempfile.mkdtemp(prefix="horolite-markers-") if COMM.Get_rank() == 0 else None)
 
 
 def inputs(rank, step, shape=(5,)):
@@ -36,10 +42,9 @@ def wait_for(tag, timeout=60):
 
 
 def same_everywhere(values, name):
-    """values (a tuple of ints) is the same on every rank."""
-    arr = np.asarray(values, dtype=np.int64)
-    every = hvd.allgather(arr[None, :], name=name)
-    assert (every == arr).all(), every
+    """values (a tuple of ints) is the same on every rank (gathered by mpi4py, not horolite)."""
+    every = COMM.allgather(tuple(int(v) for v in values))
+    assert all(other == every[RANK] for other in every), f"{name}: {every}"
 
 
 def test_quorum_of_all_is_allreduce():

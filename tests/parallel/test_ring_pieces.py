@@ -4,7 +4,8 @@ Runs on every rank under mpirun (tests/test_matrix_core.py). With PIECE_BYTES
 cut to a few dozen bytes, every step travels as many pieces, the scratch
 window fills and drains many times, and allgather pieces are received into
 regions whose scatter-reduce sends must finish first: the paths a 64 MiB
-buffer takes, on small buffers. Results are compared with NumPy.
+buffer takes, on small buffers. The hierarchical collectives the same way, where
+the (real or pretend) host layout allows them. Results are compared with NumPy.
 """
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from horolite.transport import ring as ring_module
 from horolite.core.ops import ReduceOp
 from horolite.transport.ring import Ring, even_bounds
 from horolite.transport.mpi import PointToPoint, Waiter
+from pretend_hosts import expected_topology, hierarchical_applies
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -89,14 +91,15 @@ def test_allgather_uneven(ring, lengths):
 @pytest.fixture(scope="module", params=[(24, 40, 1), (64, 1000, 2), (1 << 20, 4 << 20, 3)],
                 ids=str)
 def hierarchical(request):
-    """The pipelined hierarchical allreduce with tiny pieces and chunks (on one host, or one
-    rank per host, it does not apply: those tests skip)."""
+    """The pipelined hierarchical collectives with tiny pieces and chunks, or None where the
+    layout does not allow them (one host, one rank per host, hosts of different sizes)."""
     from horolite.transport import hierarchical as hier_module
     piece, chunk, in_flight = request.param
     saved = (ring_module.PIECE_BYTES, hier_module.CHUNK_BYTES, hier_module.IN_FLIGHT)
     ring_module.PIECE_BYTES, hier_module.CHUNK_BYTES, hier_module.IN_FLIGHT = piece, chunk, in_flight
     comm = COMM.Dup()
-    hier, _ = hier_module.open_hierarchical(comm, Waiter(polite=True), True, False)
+    hier, gather = hier_module.open_hierarchical(comm, Waiter(polite=True), True, True)
+    assert hier is gather
     yield hier
     if hier is not None:
         hier.close()
@@ -104,16 +107,43 @@ def hierarchical(request):
     ring_module.PIECE_BYTES, hier_module.CHUNK_BYTES, hier_module.IN_FLIGHT = saved
 
 
-@pytest.mark.parametrize("dtype", ["float32", "int32"])
-@pytest.mark.parametrize("op", sorted(REFERENCE))
-@pytest.mark.parametrize("count", SIZES + [30011])
-def test_hierarchical_allreduce(hierarchical, count, dtype, op):
-    if hierarchical is None:
-        pytest.skip("the hierarchical path needs several hosts of several ranks each")
-    expect = REFERENCE[op](np.stack([inputs(count, dtype, q) for q in range(SIZE)]), axis=0)
-    buf = inputs(count, dtype, RANK)
-    hierarchical.allreduce(buf, op, 1.0)
-    assert np.array_equal(buf, expect.astype(dtype))
-    src, out = inputs(count, dtype, RANK), np.zeros(count, dtype=dtype)
-    hierarchical.allreduce_from(src, out, op, 0.5 if dtype == "float32" else 1.0)
-    assert np.array_equal(out, (expect * (0.5 if dtype == "float32" else 1)).astype(dtype))
+def test_hierarchical_serves_exactly_where_the_layout_allows(hierarchical):
+    # The layout comes from each rank's host (or HOROLITE_TEST_HOST_IDENTITY's pretend
+    # hosts, which tests/test_matrix_core.py sweeps): hosts of equal size > 1, several hosts.
+    assert (hierarchical is not None) == hierarchical_applies(), expected_topology(RANK)["hosts"]
+    if hierarchical is not None:
+        topo = expected_topology(RANK)
+        assert (hierarchical.local_rank, hierarchical.local_size) == (topo["local_rank"],
+                                                                      topo["local_size"])
+        assert (hierarchical.cross_rank, hierarchical.cross_size) == (topo["cross_rank"],
+                                                                      topo["cross_size"])
+
+
+# The hierarchical cases exist where the layout allows the path (test_matrix_core.py runs
+# this file on pretend hosts of 2+2 ranks, tests/multihost on 2x2 and 3x2 real ones).
+if hierarchical_applies():
+    @pytest.mark.parametrize("dtype", ["float32", "int32"])
+    @pytest.mark.parametrize("op", sorted(REFERENCE))
+    @pytest.mark.parametrize("count", SIZES + ["big"])
+    def test_hierarchical_allreduce(hierarchical, count, dtype, op):
+        from horolite.transport import hierarchical as hier_module
+        if count == "big":  # thousands of chunks either way; the 40-byte ones cost the most
+            count = 30011 if hier_module.CHUNK_BYTES >= 1000 else 3001
+        expect = REFERENCE[op](np.stack([inputs(count, dtype, q) for q in range(SIZE)]), axis=0)
+        buf = inputs(count, dtype, RANK)
+        hierarchical.allreduce(buf, op, 1.0)
+        assert np.array_equal(buf, expect.astype(dtype))
+        src, out = inputs(count, dtype, RANK), np.zeros(count, dtype=dtype)
+        hierarchical.allreduce_from(src, out, op, 0.5 if dtype == "float32" else 1.0)
+        assert np.array_equal(out, (expect * (0.5 if dtype == "float32" else 1)).astype(dtype))
+
+    @pytest.mark.parametrize("lengths", [[0], [1], [7], [100, 0, 3, 250]], ids=str)
+    def test_hierarchical_allgather_uneven(hierarchical, lengths):
+        sizes = [lengths[q % len(lengths)] + q for q in range(SIZE)]
+        bounds = np.concatenate(([0], np.cumsum(sizes))).tolist()
+        parts = [np.random.default_rng(q).integers(0, 255, sizes[q]).astype(np.uint8)
+                 for q in range(SIZE)]
+        buf = np.zeros(bounds[-1], dtype=np.uint8)
+        buf[bounds[RANK]:bounds[RANK + 1]] = parts[RANK]
+        hierarchical.allgather(buf, bounds)
+        assert np.array_equal(buf, np.concatenate(parts))

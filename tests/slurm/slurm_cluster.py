@@ -17,7 +17,18 @@ import subprocess
 import time
 
 class SlurmUnavailable(Exception):
-    """Why the cluster cannot run here (the tests skip with this reason)."""
+    """Why the cluster did not start: the tests skip when absent_reason() says why
+    (not root, not installed); any other failure to start fails them."""
+
+
+def absent_reason():
+    """Why no cluster can run on this machine at all (the tests then skip), or None."""
+    missing = [n for n in ("munged", "slurmctld", "slurmd", "sbatch", "srun") if not _find(n)]
+    if missing:
+        return f"not installed: {', '.join(missing)} (apt-get install slurm-wlm munge)"
+    if os.geteuid() != 0:
+        return "slurmd must run as root to start jobs (not root here)"
+    return None
 
 
 def _free_ports(count):
@@ -103,11 +114,9 @@ class SlurmCluster:
 
     # ---- start ----
     def start(self, timeout=60):
-        missing = [n for n in ("munged", "slurmctld", "slurmd", "sbatch", "srun") if not _find(n)]
-        if missing:
-            raise SlurmUnavailable(f"not installed: {', '.join(missing)} (apt-get install slurm-wlm munge)")
-        if os.geteuid() != 0:
-            raise SlurmUnavailable("slurmd must run as root to start jobs (not root here)")
+        reason = absent_reason()
+        if reason:
+            raise SlurmUnavailable(reason)
         try:
             socket.gethostbyname(self.host)
         except OSError:

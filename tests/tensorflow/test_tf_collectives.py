@@ -14,13 +14,33 @@ import tensorflow as tf
 
 import horolite.tensorflow as hvd
 from horolite.tensorflow import native_ops
-from tf_modes import MODES, run, value
+from mpi4py import MPI
+from tf_modes import MODES, NATIVE, run, value
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
-# The native wait op is built wherever there is a C++ compiler (CI has one).
-NATIVE = native_ops.load() is not None
 GRAPH_MISMATCH_ERROR = tf.errors.FailedPreconditionError if NATIVE else tf.errors.InvalidArgumentError
+
+
+@pytest.mark.parametrize("mode", ["function", "graph"])
+def test_the_wait_op_in_graphs_is_the_one_this_run_expects(mode):
+    # The native op where the driver did not turn it off (it must have built), else the
+    # Python fallback: read from the graph the collectives are in.
+    assert (native_ops.load() is not None) == NATIVE, "the native wait op did not load"
+    x = tf.constant(value(R))
+    if mode == "function":
+        graph = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum)).get_concrete_function(x).graph
+    else:
+        graph = tf.Graph()
+        with graph.as_default():
+            hvd.allreduce(tf.constant(value(R)), op=hvd.Sum)
+    types = {op.type for op in graph.get_operations()}
+    if NATIVE:  # (the enqueue stays a Python op; the wait is the native one)
+        assert "HorolitAsyncWait" in types, types
+    else:
+        assert "HorolitAsyncWait" not in types and types & {"PyFunc", "EagerPyFunc"}, types
+    np.testing.assert_array_equal(run(mode, lambda t: hvd.allreduce(t, op=hvd.Sum), value(R)),
+                                  sum(value(r) for r in range(N)))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -257,11 +277,10 @@ def test_fp16_compression(mode):
 def test_broadcast_variables_eager_and_graph():
     tf.random.set_seed(R)  # differently initialised ranks
     variables = [tf.Variable(tf.random.normal([3, 2])), tf.Variable(R, dtype=tf.int64)]
+    roots = MPI.COMM_WORLD.bcast([v.numpy() for v in variables], root=0)  # mpi4py's broadcast
     hvd.broadcast_variables(variables, root_rank=0)
-    vals = hvd.allgather_object([v.numpy() for v in variables])
-    for other in vals:
-        np.testing.assert_array_equal(other[0], vals[0][0])
-        assert other[1] == 0
+    np.testing.assert_array_equal(variables[0].numpy(), roots[0])
+    assert variables[1].numpy() == roots[1] == 0
     with tf.Graph().as_default():
         v = tf.compat.v1.get_variable("w", initializer=tf.constant(value(R)))
         bcast = hvd.broadcast_global_variables(root_rank=N - 1)

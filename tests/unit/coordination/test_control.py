@@ -48,3 +48,13 @@ def test_many_slots_match_set_arithmetic():
             decoded = ranks[0].decode(reduce_or(sent))
             assert decoded.ready == sorted(set(ready[0]) & set(ready[1]) & set(ready[2]))
             assert decoded.invalid == sorted(set(invalid[0]) | set(invalid[1]) | set(invalid[2]))
+
+
+def test_the_last_slot_of_a_large_cache_and_the_received_vector():
+    # 4096 slots: exactly 64 words each way, the last slot in the last bit.
+    ranks = [ControlVector(4096) for _ in range(2)]
+    assert ranks[0].send.size == 3 + 2 * 64
+    sent = [c.encode(0, None, [4095, 64], [4095]).copy() for c in ranks]
+    ranks[1].received[:] = reduce_or(sent)  # what the runtime's allreduce writes into
+    d = ranks[1].decode()  # default: the received vector
+    assert d.ready == [64, 4095] and d.invalid == [4095]

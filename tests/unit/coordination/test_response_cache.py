@@ -40,3 +40,40 @@ def test_errors_joined_and_barriers_are_not_cacheable():
     assert not c.cacheable(Response(kind=Kind.BARRIER, name="b"))
     assert c.cacheable(Response(kind=Kind.ALLGATHER, name="g"))
     assert not ResponseCache(0).cacheable(Response(kind=Kind.ALLREDUCE, name="x"))
+
+
+def test_put_again_keeps_the_slot_with_the_new_parameters():
+    c = ResponseCache(2)
+    assert put(c, "a") is None and put(c, "b") is None  # no eviction: None, nothing else
+    assert put(c, "a", (9,)) is None  # the same name again: its slot, nothing evicted
+    assert c.lookup(req("a", (9,))) == (HIT, 0) and c.lookup(req("a")) == (INVALID, 0)
+    assert len(c) == 2 and c.evictions == 0
+    assert c.responses([0])[0].shape == (9,)
+
+
+def test_responses_returns_the_slots_and_marks_them_used():
+    c = ResponseCache(2)
+    put(c, "a")
+    put(c, "b")
+    assert [r.name for r in c.responses([1, 0])] == ["b", "a"]
+    c.responses([0])  # "a" used last: "b" goes first
+    assert put(c, "c") == 1 and c.lookup(req("b")) == (MISS, -1) and c.evictions == 1
+    assert put(c, "d") == 0 and c.evictions == 2
+
+
+def test_eviction_follows_use_not_slot_order():
+    c = ResponseCache(2)
+    put(c, "x")
+    put(c, "y")
+    c.erase(0)  # x's slot is free again, and "z" takes it: z (slot 0) is newer than y (slot 1)
+    assert put(c, "z") is None and c.lookup(req("z")) == (HIT, 0)
+    assert put(c, "w") == 1 and c.lookup(req("y")) == (MISS, -1)
+
+
+def test_a_cache_of_one_slot_caches():
+    c = ResponseCache(1)
+    r = req("a")
+    assert c.cacheable(Response.from_request(r))
+    assert not ResponseCache(0).cacheable(Response.from_request(r))
+    put(c, "a")
+    assert put(c, "b") == 0 and c.lookup(req("b")) == (HIT, 0) and c.evictions == 1

@@ -232,7 +232,7 @@ def test_no_driver_means_no_cupy_import():
 def test_cupy_imported_without_driver_leaves_host_helpers_alone():
     """CuPy installed but no driver: importing it first changes nothing for host arrays."""
     pytest.importorskip("cupy")
-    out = _python("import cupy, numpy as np\nfrom horolite import device\n"
+    out = _python("import cupy, numpy as np\nfrom horolite.core import device\n"
                   "print(device.is_device_array(np.ones(2)), device.device_kind(np.ones(2)))\n"
                   "print(device.nccl_status())")
     assert out.splitlines()[0] == "False cpu"

@@ -98,3 +98,27 @@ def test_group_layout_pads_members_to_64_bytes():
     # sizes that are already multiples of 64 bytes need no padding at all
     assert _layout(((1024,), (1024,)), 4)[2] == ()
     assert _layout(((3,), (5,)), 1)[0][1][0] == slice(64, 69)
+
+
+def test_only_clean_allreduces_fuse_even_with_identical_fields():
+    # Same dtype, op and scales as their neighbours: a broadcast, an allgather, an error
+    # and a quorum allreduce each still run alone (found by mutation testing, docs/testing.md).
+    for odd in (Response(kind=Kind.BROADCAST, name="x", dtype="float32", shape=(1,), op=1),
+                Response(kind=Kind.ALLGATHER, name="x", dtype="float32", shape=(1,), op=1),
+                ar("x", 1, error="shapes differ"), ar("x", 1, contributors=(0, 1))):
+        rs = [ar("a", 1), odd, ar("c", 1), ar("d", 1)]
+        assert names(rs, 1 << 20) == [["a"], ["x"], ["c", "d"]], odd
+
+
+def test_empty_tensors_fuse_and_a_zero_threshold_fuses_nothing():
+    rs = [ar("a", 0), ar("b", 0), ar("c", 2)]
+    assert names(rs, 8) == [["a", "b", "c"]]
+    assert names(rs, 0) == [["a"], ["b"], ["c"]]
+    assert names(rs, 1) == [["a", "b"], ["c"]]  # a threshold of 1 byte still fuses what fits
+
+
+def test_every_field_of_the_fusion_key_breaks_a_batch():
+    for field, value in (("dtype", "float64"), ("op", 2), ("prescale", 0.5), ("postscale", 0.5),
+                         ("device", "cuda:0"), ("joined", (1,))):
+        rs = [ar("a", 1), ar("b", 1), ar("x", 1, **{field: value}), ar("y", 1, **{field: value})]
+        assert names(rs, 1 << 20) == [["a", "b"], ["x", "y"]], field

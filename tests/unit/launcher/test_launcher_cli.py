@@ -1,4 +1,5 @@
 """horolite-run's command line: flags -> LaunchConfig -> the mpirun argv for each MPI."""
+import dataclasses
 import os
 import re
 import sys
@@ -48,7 +49,7 @@ def test_minimal_config():
 
 def test_config_is_frozen():
     c = config(["-np", "1", "true"])
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         c.num_proc = 2
 
 
@@ -74,20 +75,51 @@ def test_tunables_become_horolite_variables():
     }
 
 
-def test_every_declared_setting_flag_sets_its_variable():
+# horovodrun 0.28.1's flags for rank settings and the variables they set, written out here
+# (not read from horolite's settings table, which the parser is made from): a wrong name
+# or a wrong variable in that table fails this test. Horolite's own additions are marked.
+SETTING_FLAGS = {
+    "--cycle-time-ms": ("HOROLITE_CYCLE_TIME", "3", "3"),
+    "--fusion-threshold-mb": ("HOROLITE_FUSION_THRESHOLD", "3", str(3 * 1024 * 1024)),
+    "--cache-capacity": ("HOROLITE_CACHE_CAPACITY", "3", "3"),
+    "--hierarchical-allreduce": ("HOROLITE_HIERARCHICAL_ALLREDUCE", None, "1"),
+    "--no-hierarchical-allreduce": ("HOROLITE_HIERARCHICAL_ALLREDUCE", None, "0"),
+    "--hierarchical-allgather": ("HOROLITE_HIERARCHICAL_ALLGATHER", None, "1"),
+    "--no-hierarchical-allgather": ("HOROLITE_HIERARCHICAL_ALLGATHER", None, "0"),
+    "--no-stall-check": ("HOROLITE_STALL_CHECK_DISABLE", None, "1"),
+    "--stall-check-warning-time-seconds": ("HOROLITE_STALL_CHECK_TIME_SECONDS", "3", "3"),
+    "--stall-check-shutdown-time-seconds": ("HOROLITE_STALL_SHUTDOWN_TIME_SECONDS", "3", "3"),
+    "--timeline-filename": ("HOROLITE_TIMELINE", "/tmp/t.json", "/tmp/t.json"),
+    "--timeline-mark-cycles": ("HOROLITE_TIMELINE_MARK_CYCLES", None, "1"),
+    "--log-level": ("HOROLITE_LOG_LEVEL", "warning", "WARNING"),
+    "--log-without-timestamp": ("HOROLITE_LOG_HIDE_TIME", None, "1"),
+    "--mpi-threads-disable": ("HOROLITE_MPI_THREADS_DISABLE", None, "1"),
+    "--autotune": ("HOROLITE_AUTOTUNE", None, "1"),
+    "--autotune-log-file": ("HOROLITE_AUTOTUNE_LOG", "/tmp/a.csv", "/tmp/a.csv"),
+    # horolite's own
+    "--stall-check": ("HOROLITE_STALL_CHECK_DISABLE", None, "0"),
+    "--no-timeline-mark-cycles": ("HOROLITE_TIMELINE_MARK_CYCLES", None, "0"),
+    "--log-with-timestamp": ("HOROLITE_LOG_HIDE_TIME", None, "0"),
+    "--no-mpi-threads-disable": ("HOROLITE_MPI_THREADS_DISABLE", None, "0"),
+    "--no-autotune": ("HOROLITE_AUTOTUNE", None, "0"),
+    "--wait-mode": ("HOROLITE_WAIT_MODE", "poll", "poll"),
+    "--no-shared-memory": ("HOROLITE_SHARED_MEMORY", None, "0"),
+    "--autotune-start": ("HOROLITE_AUTOTUNE_START", "4,1.5", "4,1.5"),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(SETTING_FLAGS))
+def test_each_setting_flag_sets_its_variable(flag):
+    variable, value, expect = SETTING_FLAGS[flag]
+    argv = ["-np", "1", flag] + ([value] if value is not None else []) + ["t"]
+    assert dict(config(argv).env) == {variable: expect}
+
+
+def test_the_declared_setting_flags_are_the_listed_ones():
+    # A flag added to the settings table must be added above, with its variable.
     from horolite.core import settings
-    for s in settings.SETTINGS:
-        if s.scope != "rank":
-            continue
-        if s.flag and s.kind is bool:
-            assert dict(config(["-np", "1", s.flag, "t"]).env) == {s.variable: "1"}, s.flag
-        elif s.flag:
-            value = s.kind[-1] if isinstance(s.kind, tuple) else "3"
-            env = dict(config(["-np", "1", s.flag, value, "t"]).env)
-            assert set(env) == {s.variable}, s.flag
-            assert s.parse(env[s.variable]) is not None
-        if s.flag_false:
-            assert dict(config(["-np", "1", s.flag_false, "t"]).env) == {s.variable: "0"}
+    declared = {f for s in settings.SETTINGS if s.scope == "rank" for f in (s.flag, s.flag_false) if f}
+    assert declared == set(SETTING_FLAGS)
 
 
 def test_hierarchical_flags():
