@@ -69,7 +69,20 @@ def _assign_all(variables, values, what: str) -> None:
         var.assign(value)
 
 
-class TensorFlowKerasState(ObjectState):
+class _TensorSnapshots(ObjectState):
+    """A state whose tensors are copied aside at each save and assigned back at restore
+    (subclasses say which tensors, in _save_model and _load_model)."""
+
+    def save(self):
+        self._save_model()
+        super().save()
+
+    def restore(self):
+        self._load_model()
+        super().restore()
+
+
+class TensorFlowKerasState(_TensorSnapshots):
     """State of a Keras model and its optimizer, plus any keyword properties.
 
     Args:
@@ -88,14 +101,6 @@ class TensorFlowKerasState(ObjectState):
         self.backend = backend
         self._save_model()
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def save(self):
-        self._save_model()
-        super().save()
-
-    def restore(self):
-        self._load_model()
-        super().restore()
 
     def sync(self):
         broadcast_variables(self.model.variables, root_rank=0,
@@ -134,7 +139,7 @@ class TensorFlowKerasState(ObjectState):
         super()._load_durable(obj)
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(_TensorSnapshots):
     """State of a list of TensorFlow variables, plus any keyword properties.
 
     Args:
@@ -149,14 +154,6 @@ class TensorFlowState(ObjectState):
         self.session = session
         self._save_model()
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
-
-    def save(self):
-        self._save_model()
-        super().save()
-
-    def restore(self):
-        self._load_model()
-        super().restore()
 
     def sync(self):
         if self.variables:
