@@ -64,8 +64,10 @@ def test_set_queries():
     assert hvd.ProcessSet([2, 0]).ranks == [0, 2] and hvd.ProcessSet([2, 0]).size() is None
 
 
-@pytest.mark.parametrize("name", sorted(SETS))
+@pytest.mark.parametrize("name", sorted(SETS) or ["(none)"])
 def test_every_collective(name):
+    if name not in SETS:  # one rank: the global set is the only set there is
+        pytest.skip("a set other than the global one needs at least two ranks")
     s = SETS[name]
     if RANK not in s.ranks:
         pytest.skip("not a member")
