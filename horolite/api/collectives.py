@@ -191,9 +191,9 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              borrowed: bool = False, quorum: Optional[int] = None,
                              process_set=global_process_set) -> Handle:
-    """borrowed: the arrays are another framework's memory, which may change once this
-    returns; packing copies them anyway, and only the members that go separately are
-    copied here (the TensorFlow bridge then need not copy every gradient first)."""
+    """borrowed: the arrays are another framework's memory; the members that go
+    separately are copied here (the TensorFlow bridge then need not copy every gradient
+    first), a packed group's are packed, and a large one's read where they lie."""
     rt = runtime_for(process_set, "grouped_allreduce")
     base = name or _auto_name("grouped_allreduce", rt)
     op = _reduce_op(op, base)
@@ -206,8 +206,10 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
     pool = rt.executor.outputs  # packed there, the group is reduced in place
     # Through shared memory a large group is not packed: its members are read where they
     # lie (the caller must leave them alone until the handle is done, as for any async
-    # collective); borrowed memory (TensorFlow's) may change once this returns: packed.
-    read_in_place = not borrowed and not k and pre == 1.0 and rt.transport.reads_parts
+    # collective). That holds for TensorFlow's gradients too: the NumPy views the bridge
+    # passes keep their tensors' buffers alive, and TensorFlow never writes into a buffer
+    # something else still refers to (it forwards only buffers with one reference).
+    read_in_place = not k and pre == 1.0 and rt.transport.reads_parts
     packed = pack_host_group(arrays, base, pool, read_in_place)
     if packed is None:
         arrays = [_as_array(a, f"{base}.{i}", Kind.ALLREDUCE, rt) for i, a in enumerate(arrays)]
