@@ -257,6 +257,9 @@ def test_set_collectives_reach_the_timeline_and_follow_the_global_setting(tmp_pa
             hvd.allreduce(np.ones(3), name=f"tl.{name}.{i}", process_set=s)
         rt = ps_mod.runtime_for(s, "test")
         assert (rt.executor.fusion_threshold, round(rt._cycle_seconds * 1000, 6)) == (1 << 20, 2.0)
+    # Every rank done checking before rank 0 publishes the old setting again (a set whose
+    # first rank is another would otherwise pick it up mid-check): mpi4py's barrier.
+    MPI.COMM_WORLD.Barrier()
     leader._setting = saved
     hvd.barrier()
     hvd.stop_timeline()
