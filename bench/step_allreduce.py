@@ -240,17 +240,14 @@ def report(res, n: int):
 _SCHEDULER = ("on a shared VM the two ranks rarely run at the same moment, and the "
               "shared-memory allreduce hands every 1 MiB block between them: a ResNet-50 step "
               "used 30-41 ms of CPU per rank but took 140-270 ms at load 9-18")
-_PACK = ("packing is one more full pass over the bytes (about 10 ms for 100 MB on one core "
-         "here) on top of one tensor's allreduce; 1.15x needs the allreduce to read the members "
-         "where they are (a gather list into the shared-memory loop), which is not done")
-LIMITS = {
-    ("one", "grouped"): _PACK,
-    ("one", "grouped, holding 2"): _PACK + " (held results no longer cost fresh pages)",
-    ("one", "async"): "the background thread packs the fused batch the same way: " + _PACK,
-    ("one", "async, holding 2"): "as async: " + _PACK,
-}
+_PER_TENSOR = ("the members are read where they lie, so the bytes move as for one tensor; "
+               "what is left is per tensor: requests through the response cache, handles "
+               "completed, a scratch copy where a 16 KiB chunk spans two members; and " +
+               _SCHEDULER)
+LIMITS = {("one", v): _PER_TENSOR for v in STEP_VARIANTS}
 for _v in STEP_VARIANTS:
-    LIMITS[("mpi", _v)] = "the pack (see the row above); and " + _SCHEDULER
+    LIMITS[("mpi", _v)] = ("one tensor of the same bytes bounds the step (its own ratio is the "
+                           "'one tensor' row: 3.3x quiet); and " + _SCHEDULER)
 
 if __name__ == "__main__":
     main()
