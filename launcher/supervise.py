@@ -16,10 +16,8 @@ process group, whose ids the wrappers reported.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
-import re
 import signal
 import socket
 import subprocess
@@ -29,6 +27,9 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from . import hosts as hostlib
+from .markers import HYDRA_LINE, marker_line, parse_marker
+from .outcome import JobOutcome, JobResult, RankStatus, describe_exit, signame
+from .processes import descendants, proc_table, set_session_and_parent_death
 from .rankwrap import MARKER
 from .shm_cleanup import ShmLeftovers
 
@@ -36,119 +37,9 @@ __all__ = ["RankStatus", "JobResult", "Supervisor", "parse_marker", "describe_ex
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _RUNTIME_MARKERS = ("cause", "stopped", "stall")
-# hydra's own error stack (``[mpiexec@host] HYDU_sock_write ... Bad file descriptor``...) when
-# it is told to stop ranks whose host connection is already gone: noise once a rank has failed.
-_HYDRA_LINE = re.compile(rb"^\[(mpiexec|proxy:[^\]@]*)@[^\]]*\] ")
 
 
-@dataclasses.dataclass
-class RankStatus:
-    rank: int
-    host: str = ""
-    pid: int = 0
-    pgid: int = 0
-    started: bool = False
-    code: Optional[int] = None
-    signal: int = 0
-    stopped: bool = False  # ended because the job was being stopped
-
-
-@dataclasses.dataclass
-class JobResult:
-    exit_code: int
-    message: str  # empty on success
-
-
-def parse_marker(line: str) -> Optional[tuple]:
-    """``##horolite-run## exit rank=1 code=3`` -> ("exit", {"rank": "1", "code": "3"}).
-    A ``text=`` field comes last and takes the rest of the line (the runtime's markers:
-    ``cause``, ``stopped``, ``stall``; see horolite/failure/channel.py)."""
-    if not line.startswith(MARKER):
-        return None
-    line, _, text = line.rstrip("\n").partition(" text=")
-    parts = line[len(MARKER):].split()
-    if not parts:
-        return None
-    fields = dict(p.split("=", 1) for p in parts[1:] if "=" in p)
-    if text:
-        fields["text"] = text
-    return parts[0], fields
-
-
-_RANK_PREFIX = re.compile(rb"^\[\d+\]<std(?:out|err)>:")
-
-
-def _marker_line(raw: bytes) -> Optional[bytes]:
-    """The marker in a wrapper's line, or in a rank's own line as the wrapper prefixed it."""
-    if raw.startswith(MARKER.encode()):
-        return raw
-    match = _RANK_PREFIX.match(raw)
-    if match and raw[match.end():].startswith(MARKER.encode()):
-        return raw[match.end():]
-    return None
-
-
-def _signame(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
-
-
-def describe_exit(status: RankStatus) -> str:
-    # The pid of the rank's command (its process group leader), not of the wrapper around it.
-    pid = status.pgid or status.pid
-    where = f"rank {status.rank}" + (f" (host {status.host}, pid {pid})" if status.host else "")
-    if status.signal:
-        return f"{where} was killed by signal {status.signal} ({_signame(status.signal)})"
-    return f"{where} exited with code {status.code}"
-
-
-def _proc_table() -> Dict[int, tuple]:
-    """pid -> (ppid, start time) for every process, from /proc (empty where there is none)."""
-    table = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return table
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        table[int(name)] = (int(fields[1]), fields[19])  # ppid, starttime
-    return table
-
-
-def descendants(root: int, table: Optional[Dict[int, tuple]] = None) -> Dict[int, bytes]:
-    """pid -> start time of every process below ``root``."""
-    table = _proc_table() if table is None else table
-    children: Dict[int, List[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = {}, [root]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            found[child] = table[child][1]
-            todo.append(child)
-    return found
-
-
-def _set_session_and_parent_death():  # in mpirun's process, between fork and exec
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
-
-
-class Supervisor:
+class Supervisor(JobOutcome):
     def __init__(self, argv: Sequence[str], num_proc: int, rank_hosts: Sequence[str], *,
                  start_timeout: float, fail_grace: float = 2.0, kill_grace: float = 3.0,
                  log=None, start_help: str = "", env=None, on_marker=None):
@@ -182,7 +73,7 @@ class Supervisor:
     # --- output relay (reader threads) ---
     def _relay(self, pipe, out, parse: bool):
         for raw in iter(pipe.readline, b""):
-            marker = _marker_line(raw) if parse and MARKER.encode() in raw else None
+            marker = marker_line(raw) if parse and MARKER.encode() in raw else None
             if marker is not None:
                 parsed = parse_marker(marker.decode(errors="replace"))
                 if parsed:
@@ -190,7 +81,7 @@ class Supervisor:
                         self._hydra_noise_expected.set()
                     self.events.put(parsed)
                     continue
-            if parse and self._hydra_noise_expected.is_set() and _HYDRA_LINE.match(raw):
+            if parse and self._hydra_noise_expected.is_set() and HYDRA_LINE.match(raw):
                 continue
             try:
                 out.write(raw)
@@ -218,7 +109,7 @@ class Supervisor:
     def _run(self) -> JobResult:
         try:
             proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    preexec_fn=_set_session_and_parent_death, env=self.env)
+                                    preexec_fn=set_session_and_parent_death, env=self.env)
         except OSError as e:
             return JobResult(127, f"cannot run {self.argv[0]}: {e.strerror}")
         self.proc = proc
@@ -265,7 +156,7 @@ class Supervisor:
                     signum = self._signals.pop(0)
                     if self.interrupted is None:
                         self.interrupted = signum
-                        self._log(f"got {_signame(signum)}: stopping all ranks")
+                        self._log(f"got {signame(signum)}: stopping all ranks")
                         self._send(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
                         stop_at = None
                         kill_at = now + self.kill_grace
@@ -352,7 +243,7 @@ class Supervisor:
         if not self._tree:
             return
         time.sleep(0.2)  # let processes that are already ending go by themselves
-        table = _proc_table()
+        table = proc_table()
         for pid, start in self._tree.items():
             if pid in table and table[pid][1] == start:
                 try:
@@ -413,80 +304,3 @@ class Supervisor:
                 f"--start-timeout {self.start_timeout:g}s; missing ranks "
                 f"{', '.join(map(str, missing))} (on {', '.join(where) or 'unknown hosts'}). "
                 f"{self.start_help}, and that {sys.executable} exists there")
-
-    def _reported_result(self) -> Optional[JobResult]:
-        """The summary from the ranks' own reports: the rank that failed first, with its
-        cause, then the ranks stopped as a result; None when no rank reported anything."""
-        if self.cause is not None:
-            kind, origin, text, code = self.cause
-            status = self.ranks.get(origin)
-            if kind == "stall":
-                return JobResult(1, f"job failed: {text}; every rank was stopped")
-            if status is not None and status.code and not status.stopped:
-                code = status.code  # what the rank itself exited with
-        elif self.stopped_by:
-            origin = self._stopped_origin()
-            status = self.ranks.get(origin)
-            if status is None or (status.signal or status.code) and not status.stopped:
-                return None  # it failed by itself (killed, say): the failure's own summary
-            left = describe_exit(status) if status.code is not None else f"rank {origin} ended"
-            text = f"{left} while other ranks still ran collectives"
-            code = status.code or 1
-        else:
-            return None
-        others = sorted(r for r in self.ranks if r != origin)
-        message = f"job failed: {text}"
-        if others:
-            message += f"; ranks stopped as a result: {', '.join(map(str, others))}"
-        return JobResult(code, message)
-
-    def _stopped_origin(self) -> int:
-        """The rank the runtime's "stopped" reports lead back to: each names the rank it
-        heard from, which may itself have been stopped by another (a peer it lost)."""
-        origins = set()
-        for start in set(self.stopped_by.values()):
-            rank, seen = start, set()
-            while self.stopped_by.get(rank, -1) >= 0 and rank not in seen:
-                seen.add(rank)
-                rank = self.stopped_by[rank]
-            origins.add(rank)
-        if self.first_failure is not None and self.first_failure.rank in origins:
-            return self.first_failure.rank
-        return min(origins)
-
-    def _result(self, returncode: int) -> JobResult:
-        if self.interrupted is not None:
-            return JobResult(128 + self.interrupted, f"stopped by {_signame(self.interrupted)}")
-        if self.timed_out:
-            return JobResult(returncode or 1, "ranks did not start within --start-timeout")
-        reported = self._reported_result()
-        if reported is not None:
-            return reported
-        # A rank that reported being stopped by another rank's failure is not one of them.
-        failures = [s for s in self.ranks.values()
-                    if (s.code not in (None, 0) or s.signal) and not s.stopped
-                    and s.rank not in self.stopped_by]
-        failed = self.first_failure or (failures[0] if failures else None)
-        if failed is not None:
-            others = [s for s in failures if s is not failed]
-            stopped = sorted(s.rank for s in self.ranks.values()
-                             if s is not failed and s not in others and
-                             (s.stopped or s.code is None or s.rank in self.stopped_by))
-            message = f"job failed: {describe_exit(failed)}"
-            if others:
-                message += "; then " + "; ".join(describe_exit(s) for s in others)
-            if stopped:
-                message += f"; ranks stopped as a result: {', '.join(map(str, stopped))}"
-            code = failed.code if failed.code else 1
-            return JobResult(code, message)
-        never = [r for r, s in self.ranks.items() if s.code is None]
-        if returncode != 0 and not any(s.started for s in self.ranks.values()):
-            return JobResult(returncode, f"mpirun failed (exit {returncode}) before any rank "
-                                         f"started: see its messages above (for remote hosts: "
-                                         f"are they reachable with ssh, without a password?)")
-        if returncode != 0:
-            detail = f"; no exit status from ranks {', '.join(map(str, never))}" if never else ""
-            return JobResult(returncode, f"mpirun exited with code {returncode}{detail}")
-        if never:
-            return JobResult(1, f"no exit status from ranks {', '.join(map(str, never))}")
-        return JobResult(0, "")

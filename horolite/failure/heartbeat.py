@@ -23,7 +23,7 @@ from typing import Dict, Iterable, List, Optional
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Heartbeat", "INTERVAL", "SILENT_AFTER", "processes_gone"]
+__all__ = ["Heartbeat", "INTERVAL", "SILENT_AFTER", "processes_gone", "stat_says_gone"]
 
 _TAG = 21
 # Seconds between two messages to a peer, and between two looks at the receives.
@@ -142,16 +142,32 @@ class Heartbeat:
             pass
 
 
+_PF_EXITING = 0x4  # the kernel's flag of a task inside exit()
+
+
 def processes_gone(pids: Iterable[int]) -> List[int]:
-    """The pids (of this PID namespace) that no longer run: absent, or zombies."""
+    """The pids (of this PID namespace) that no longer run: absent, zombies, or exiting."""
     gone = []
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
+                stat = f.read()
+        except OSError:
             gone.append(pid)
             continue
-        if state in (b"Z", b"X"):
+        if stat_says_gone(stat):
             gone.append(pid)
     return gone
+
+
+def stat_says_gone(stat: bytes) -> bool:
+    """From a /proc/<pid>/stat line: a zombie, or a process already inside exit(). A
+    process killed with SIGKILL frees its memory before it becomes a zombie; a peer
+    reading from it then (MPICH's process_vm_readv) fails with ESRCH while its state
+    still reads R or D, and only the exiting flag says it is going."""
+    try:
+        fields = stat.rsplit(b")", 1)[1].split()
+        state, flags = fields[0], int(fields[6])
+    except (IndexError, ValueError):
+        return True
+    return state in (b"Z", b"X") or bool(flags & _PF_EXITING)

@@ -1,5 +1,6 @@
-"""horolite-run's summary from the ranks' own failure reports (launcher/supervise.py)."""
-from horolite.launcher.supervise import Supervisor, _marker_line, parse_marker
+"""horolite-run's summary from the ranks' own failure reports (launcher/outcome.py)."""
+from horolite.launcher.markers import marker_line, parse_marker
+from horolite.launcher.supervise import Supervisor
 
 
 def supervisor(n):
@@ -8,7 +9,7 @@ def supervisor(n):
 
 def feed(sup, lines):
     for line in lines:
-        raw = _marker_line(line.encode())
+        raw = marker_line(line.encode())
         assert raw is not None, line
         kind, fields = parse_marker(raw.decode())
         if kind in ("start", "exit"):
@@ -19,10 +20,10 @@ def feed(sup, lines):
 
 def test_a_marker_inside_a_ranks_prefixed_line_is_found_with_its_text():
     line = "[2]<stderr>:##horolite-run## cause rank=2 code=1 text=rank 2 (host a) failed: E: x=1 (t.py:3)\n"
-    kind, fields = parse_marker(_marker_line(line.encode()).decode())
+    kind, fields = parse_marker(marker_line(line.encode()).decode())
     assert kind == "cause" and fields == {"rank": "2", "code": "1",
                                           "text": "rank 2 (host a) failed: E: x=1 (t.py:3)"}
-    assert _marker_line(b"[2]<stdout>:hello ##horolite-run## cause rank=1\n") is None
+    assert marker_line(b"[2]<stdout>:hello ##horolite-run## cause rank=1\n") is None
 
 
 def test_the_failing_rank_comes_first_even_when_it_exits_last():

@@ -4,7 +4,7 @@ import signal
 import subprocess
 import sys
 
-from horolite.failure.heartbeat import processes_gone
+from horolite.failure.heartbeat import processes_gone, stat_says_gone
 
 
 def test_a_killed_process_is_gone_and_a_running_one_is_not():
@@ -21,3 +21,15 @@ def test_a_killed_process_is_gone_and_a_running_one_is_not():
         running.kill()
         running.wait()
         zombie.wait()
+
+
+def test_a_process_inside_exit_is_gone_before_it_is_a_zombie():
+    # /proc/<pid>/stat of a process killed with SIGKILL while it tears down its memory:
+    # still state R, with PF_EXITING (0x4) in its flags (the ninth field).
+    stat = b"4242 (python (x)) R 4200 4242 4200 0 -1 4194564 300 0 0 0 5 3 0 0 20 0 2 0"
+    assert stat_says_gone(stat)
+    assert not stat_says_gone(stat.replace(b" 4194564 ", b" 4194560 "))  # the same, running
+    assert stat_says_gone(b"4242 (python) Z 4200 4242 4200 0 -1 4194560 300")
+    assert stat_says_gone(b"garbage")
+    with open(f"/proc/{os.getpid()}/stat", "rb") as f:
+        assert not stat_says_gone(f.read())
