@@ -5,6 +5,7 @@ Wraps the runtime's steps with clock reads and reports, per phase, the median ov
 many synchronous 4 KiB allreduces (microseconds, rank 0's and rank 1's view):
 
     horolite-run -np 2 python bench/probe_small_phases.py [--iters 2000] [--bytes 4096]
+    horolite-run -np 2 python bench/probe_small_phases.py --grouped 200   # 200 x 4 KiB grouped
 
 Phases: submit (the caller builds and queues the request), wake (until the background
 thread takes it), pre (the cycle's checks and cache lookup before the control message),
@@ -46,6 +47,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--bytes", type=int, default=4096)
+    p.add_argument("--grouped", type=int, default=0, help="tensors per grouped_allreduce")
     args = p.parse_args()
     import horolite as hvd
     from horolite.core.handle import Handle
@@ -67,13 +69,20 @@ def main():
     Handle._finish = finish
 
     x = np.ones(args.bytes // 4, dtype=np.float32)
+    xs = [np.full(args.bytes // 4, i, dtype=np.float32) for i in range(args.grouped)]
+    if args.grouped:
+        def call():
+            hvd.grouped_allreduce(xs, op=hvd.Sum, name="probe")
+    else:
+        def call():
+            hvd.allreduce(x, op=hvd.Sum, name="probe")
     rows = []
     comm = MPI.COMM_WORLD
     for i in range(args.iters):
         marks.clear()
         comm.Barrier()  # as the benchmark's median_time: every call starts together
         t0 = clock()
-        hvd.allreduce(x, op=hvd.Sum, name="probe")
+        call()
         t9 = clock()
         m = marks
         if not all(k in m for k in ("submit1", "take", "ctl0", "ctl1", "exec0", "done")):
@@ -90,7 +99,8 @@ def main():
     all_med = comm.gather(med, root=0)
     all_p90 = comm.gather(p90, root=0)
     if comm.Get_rank() == 0:
-        print(f"{args.bytes} B allreduce, {len(rows)} iterations, median (p90) us per phase")
+        what = f"{args.grouped} x {args.bytes} B grouped" if args.grouped else f"{args.bytes} B"
+        print(f"{what} allreduce, {len(rows)} iterations, median (p90) us per phase")
         print("phase     " + "".join(f"  rank {r:<14d}" for r in range(len(all_med))))
         for i, n in enumerate(names):
             print(f"{n:<10}" + "".join(f"  {m[i]:7.1f} ({q[i]:7.1f})" for m, q in zip(all_med, all_p90)))
