@@ -36,9 +36,10 @@ const char *hl_isa_name(int level);
 #define HL_SHM_ONE_SHOT_BYTES ...
 int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *arenas,
                      size_t arena_bytes, int n, int r, size_t slot_bytes, int nslots,
-                     const void *src, void *dst, size_t count, int dtype, size_t itemsize,
-                     int op, double postscale, int64_t epoch, int64_t *state,
-                     double timeout_s, int polite, int64_t *blocks);
+                     const char *const *parts, const int64_t *starts, int nparts, void *dst,
+                     size_t count, int dtype, size_t itemsize, int op, double postscale,
+                     int64_t epoch, int64_t *state, double timeout_s, int polite,
+                     int64_t *blocks);
 """
 
 

@@ -50,6 +50,57 @@ static void copy_out(char *dst, const char *src, size_t bytes, int stream)
         memcpy(dst, src, bytes);
 }
 
+/* The input: the concatenation of parts (see shm_ring.h). */
+struct input {
+    const char *const *parts;
+    const int64_t *starts;
+    int nparts;
+    size_t itemsize;
+};
+
+/* The part holding element `at`: the last i with starts[i] <= at < starts[i + 1]. */
+static int part_of(const struct input *in, size_t at)
+{
+    int lo = 0, hi = in->nparts - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if ((size_t)in->starts[mid] <= at)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    while (lo + 1 < in->nparts && (size_t)in->starts[lo + 1] <= at)
+        lo++; /* past empty parts */
+    return lo;
+}
+
+/* Copy elements [at, at + len) of the input to `to`. */
+static void read_input(char *to, const struct input *in, size_t at, size_t len)
+{
+    if (len == 0)
+        return;
+    for (int i = part_of(in, at); len > 0; i++) {
+        size_t end = (size_t)in->starts[i + 1];
+        if (end <= at)
+            continue;
+        size_t take = end - at < len ? end - at : len;
+        memcpy(to, in->parts[i] + (at - (size_t)in->starts[i]) * in->itemsize,
+               take * in->itemsize);
+        to += take * in->itemsize, at += take, len -= take;
+    }
+}
+
+/* Elements [at, at + len) of the input as one pointer: into their part when they
+ * lie in one (always, with one part), else copied into `scratch`. */
+static const char *input_at(const struct input *in, size_t at, size_t len, char *scratch)
+{
+    int i = part_of(in, at);
+    if (at + len <= (size_t)in->starts[i + 1])
+        return in->parts[i] + (at - (size_t)in->starts[i]) * in->itemsize;
+    read_input(scratch, in, at, len);
+    return scratch;
+}
+
 static int64_t load_counter(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 static void store_counter(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
@@ -185,13 +236,16 @@ static int reduce_shared(char *const *arenas, const int64_t *offsets, int n, int
 
 int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *arenas,
                      size_t arena_bytes, int n, int r, size_t slot_bytes, int nslots,
-                     const void *src, void *dst, size_t count, int dtype, size_t itemsize,
-                     int op, double postscale, int64_t epoch, int64_t *state,
-                     double timeout_s, int polite, int64_t *blocks)
+                     const char *const *parts, const int64_t *starts, int nparts, void *dst,
+                     size_t count, int dtype, size_t itemsize, int op, double postscale,
+                     int64_t epoch, int64_t *state, double timeout_s, int polite,
+                     int64_t *blocks)
 {
     const size_t per_block = slot_bytes / itemsize;
     const int64_t nblocks = (int64_t)((count + per_block - 1) / per_block);
-    const char *in = (const char *)src;
+    const struct input in = {parts, starts, nparts, itemsize};
+    /* an owner's input chunk that spans two parts is read into this */
+    char scratch[CHUNK_BYTES] __attribute__((aligned(64)));
     char *out = (char *)dst;
     const double deadline = hl_now() + timeout_s;
     /* an output larger than this is not expected to be read back from cache */
@@ -210,7 +264,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
         if (state[0] == 0) {
             if (wait_all(headers, n, HL_SHM_GATHERED, kk - nslots + 1, deadline, polite))
                 return 1;
-            memcpy(slots[r] + off, in, bytes);
+            read_input(slots[r] + off, &in, 0, count); /* every part, in order */
             store_counter(&headers[r][HL_SHM_STAGED], kk + 1);
             state[0] = 1;
             state[1] = HL_SHM_ONE_SHOT;
@@ -236,7 +290,8 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
             (size_t)(out - arenas[r]) + count * itemsize <= arena_bytes)
             off = (int64_t)(out - arenas[r]);
         __atomic_store_n(&headers[r][HL_SHM_OUT_OFFSET], off, __ATOMIC_RELAXED);
-        __atomic_store_n(&headers[r][HL_SHM_IN_PLACE], (int64_t)(off >= 0 && in == out),
+        const int in_place = off >= 0 && nparts == 1 && parts[0] == out;
+        __atomic_store_n(&headers[r][HL_SHM_IN_PLACE], (int64_t)in_place,
                          __ATOMIC_RELAXED);
         state[1] = HL_SHM_UNDECIDED;
     }
@@ -271,8 +326,8 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
             }
             char *mine = slots[r] + slot_off;
             size_t a = SEG(r), b = SEG(r + 1);
-            memcpy(mine, in + lo * itemsize, a * itemsize);
-            memcpy(mine + b * itemsize, in + (lo + b) * itemsize, (m - b) * itemsize);
+            read_input(mine, &in, lo, a);
+            read_input(mine + b * itemsize, &in, lo + b, m - b);
             store_counter(&headers[r][HL_SHM_STAGED], kk + 1);
         } else if (phase == 1) {
             if (wait_all(headers, n, HL_SHM_STAGED, kk + 1, deadline, polite)) {
@@ -297,25 +352,29 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
                                                itemsize, op, postscale, stream)) < 0)
                     return rc;
             } else if (state[1] == HL_SHM_GATHER) {
-                if (len && (rc = reduce_segment(slots, n, r, slot_off + a * itemsize,
-                                                in + (lo + a) * itemsize, len, dtype, op,
-                                                postscale)) < 0)
-                    return rc;
+                for (size_t c = a; c < a + len; c += chunk) {
+                    size_t cl = (a + len - c < chunk) ? a + len - c : chunk;
+                    if ((rc = reduce_segment(slots, n, r, slot_off + c * itemsize,
+                                             input_at(&in, lo + c, cl, scratch), cl, dtype,
+                                             op, postscale)) < 0)
+                        return rc;
+                }
             } else {
                 /* direct: my segment goes from cache straight into every rank's result */
                 const int fused = one_pass(op, n, dtype);
                 for (size_t c = a; c < a + len; c += chunk) {
                     size_t cl = (a + len - c < chunk) ? a + len - c : chunk;
                     size_t at = slot_off + c * itemsize;
+                    const char *mine = input_at(&in, lo + c, cl, scratch);
                     if (fused) {
-                        if ((rc = sum_to_all(slots, arenas, offsets, n, r, at,
-                                             in + (lo + c) * itemsize, (lo + c) * itemsize,
+                        if ((rc = sum_to_all(slots, arenas, offsets, n, r, at, mine,
+                                             (lo + c) * itemsize,
                                              cl, dtype, postscale, stream)) < 0)
                             return rc;
                         continue;
                     }
-                    if ((rc = reduce_segment(slots, n, r, at, in + (lo + c) * itemsize, cl,
-                                             dtype, op, postscale)) < 0)
+                    if ((rc = reduce_segment(slots, n, r, at, mine, cl, dtype, op,
+                                             postscale)) < 0)
                         return rc;
                     const char *from = slots[(r + 1) % n] + at;
                     for (int q = 0; q < n; q++)

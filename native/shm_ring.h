@@ -53,7 +53,11 @@
 #define HL_SHM_SHARED 2
 #define HL_SHM_ONE_SHOT 3
 
-/* dst = allreduce(src) over n ranks (dst may equal src). headers[q] and
+/* dst = allreduce(input) over n ranks. The input is the concatenation of
+ * `nparts` arrays: parts[i] holds elements [starts[i], starts[i + 1]) (starts
+ * has nparts + 1 entries, starts[0] = 0, starts[nparts] = count), so the members
+ * of a fused batch are read where they lie instead of being packed first. With
+ * one part, dst may equal parts[0] (in place). headers[q] and
  * slots[q] are rank q's header and first slot as mapped in this process;
  * arenas[q] is rank q's result arena of arena_bytes as mapped here, or arenas
  * is NULL when there are none. `epoch` is the number of blocks all earlier
@@ -66,8 +70,9 @@
  * error code. *blocks is set to the number of blocks this call moves. */
 int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *arenas,
                      size_t arena_bytes, int n, int r, size_t slot_bytes, int nslots,
-                     const void *src, void *dst, size_t count, int dtype, size_t itemsize,
-                     int op, double postscale, int64_t epoch, int64_t *state,
-                     double timeout_s, int polite, int64_t *blocks);
+                     const char *const *parts, const int64_t *starts, int nparts, void *dst,
+                     size_t count, int dtype, size_t itemsize, int op, double postscale,
+                     int64_t epoch, int64_t *state, double timeout_s, int polite,
+                     int64_t *blocks);
 
 #endif /* HOROLITE_SHM_RING_H */

@@ -99,7 +99,7 @@ def _reduce_op(op, name: str) -> ReduceOp:
 
 
 def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, splits=None,
-            rt=None, owned: bool = False, **fields) -> Handle:
+            rt=None, owned: bool = False, parts=None, **fields) -> Handle:
     rt = rt or runtime()
     ready = None
     if array is None:
@@ -120,7 +120,7 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
     handle = (SetHandle(name, transform, rt.set_label) if rt.set_label else
               Handle(name, transform))
     entry = Entry(request=request, array=array, handle=handle, splits=splits, ready=ready,
-                  owned=owned)
+                  owned=owned, parts=parts)
     return rt.submit(entry)
 
 
@@ -191,9 +191,9 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              borrowed: bool = False, quorum: Optional[int] = None,
                              process_set=global_process_set) -> Handle:
-    """borrowed: the arrays are another framework's memory, which may change once this
-    returns; packing copies them anyway, and only the members that go separately are
-    copied here (the TensorFlow bridge then need not copy every gradient first)."""
+    """borrowed: the arrays are another framework's memory; the members that go
+    separately are copied here (the TensorFlow bridge then need not copy every gradient
+    first), a packed group's are packed, and a large one's read where they lie."""
     rt = runtime_for(process_set, "grouped_allreduce")
     base = name or _auto_name("grouped_allreduce", rt)
     op = _reduce_op(op, base)
@@ -204,16 +204,22 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
         for i, a in enumerate(arrays):
             _check_scales(np.asarray(a) if not hasattr(a, "dtype") else a, f"{base}.{i}", pre, post)
     pool = rt.executor.outputs  # packed there, the group is reduced in place
-    packed = pack_host_group(arrays, base, pool)
+    # Through shared memory a large group is not packed: its members are read where they
+    # lie (the caller must leave them alone until the handle is done, as for any async
+    # collective). That holds for TensorFlow's gradients too: the NumPy views the bridge
+    # passes keep their tensors' buffers alive, and TensorFlow never writes into a buffer
+    # something else still refers to (it forwards only buffers with one reference).
+    read_in_place = not k and pre == 1.0 and rt.transport.reads_parts
+    packed = pack_host_group(arrays, base, pool, read_in_place)
     if packed is None:
         arrays = [_as_array(a, f"{base}.{i}", Kind.ALLREDUCE, rt) for i, a in enumerate(arrays)]
         if arrays and all(isinstance(a, np.ndarray) for a in arrays) and \
                 len({a.dtype for a in arrays}) == 1:
-            packed = pack_host_group(arrays, base, pool)
+            packed = pack_host_group(arrays, base, pool, read_in_place)
     if packed is not None:
-        flat, shapes, owned = packed
+        flat, shapes, owned, parts = packed
         return _submit(Kind.ALLREDUCE, flat, base, transform=lambda out: split_group(out, shapes),
-                       rt=rt, owned=owned, op=int(op), prescale=float(prescale_factor),
+                       rt=rt, owned=owned, parts=parts, op=int(op), prescale=float(prescale_factor),
                        postscale=float(postscale_factor), group=shapes, quorum=k)
     if k:
         raise InvalidCollectiveError(

@@ -64,15 +64,19 @@ _zeros = {}  # dtype -> _GROUP_ALIGN zero bytes, the padding between members
 IN_PLACE_MIN_BYTES = 4 << 20
 
 
-def pack_host_group(arrays: list, base: str, pool=None):
-    """(one flat array, the shapes, whether it is from `pool`) for NumPy arrays of one
-    reducible dtype, else None.
+def pack_host_group(arrays: list, base: str, pool=None, read_in_place: bool = False):
+    """(one flat array, the shapes, whether it is from `pool`, the parts) for NumPy
+    arrays of one reducible dtype, else None.
 
     The common case of a grouped step (hundreds of small gradients) takes one
     pass here: per-array checks cost more than copying 4 KiB. `pool`: the runtime's
     output pool (execution.OutputPool), whose buffer the runtime then reduces in
     place and hands back as the result, for groups of IN_PLACE_MIN_BYTES or more;
-    smaller ones go into a pool of this module's.
+    smaller ones go into a pool of this module's. read_in_place (the runtime reads a
+    fused batch's members where they lie: through shared memory): a group from `pool`
+    is not packed at all; the parts (its members and the padding between them, 1-D)
+    are returned instead, for the runtime to reduce into the still empty flat array.
+    Otherwise parts is None.
     """
     if not arrays:
         return None
@@ -107,12 +111,15 @@ def pack_host_group(arrays: list, base: str, pool=None):
                 parts.append(pad[:gap])
     else:
         parts = arrays
+    if owned and read_in_place:
+        return flat, shapes, owned, [(a if a.flags.c_contiguous else a.copy(order="C")).reshape(-1)
+                                     for a in parts]
     try:
         kernels.pack_into(flat, parts)
     except ValueError:  # a non-contiguous member: copy those first
         parts = [a if a.flags.c_contiguous else a.copy(order="C") for a in parts]
         kernels.pack_into(flat, parts)
-    return flat, shapes, owned
+    return flat, shapes, owned, None
 
 
 @lru_cache(maxsize=256)

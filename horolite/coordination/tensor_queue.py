@@ -75,6 +75,9 @@ class Entry:
     # The array is horolite's own (a packed group in the output pool): reduced in
     # place, it becomes the result.
     owned: bool = False
+    # With `owned`: the 1-D pieces whose concatenation is the input, when they were not
+    # packed into `array` (which is then still empty): read where they lie.
+    parts: Optional[list] = None
 
 
 class TensorQueue:

@@ -95,10 +95,14 @@ class OutputPool:
             if count <= a.size <= 2 * count and (best is None or a.size < best.size) and \
                     sys.getrefcount(a) <= 3:  # the list, `a`, and getrefcount's argument
                 best = a
-        if best is not None:
-            return best[:count].reshape(shape)
         kept = self._arrays.setdefault(dtype, [])
+        if best is not None:
+            _remove(kept, best)
+            kept.append(best)  # the least recently used come first
+            return best[:count].reshape(shape)
         size = _size_class(nbytes)
+        if len(kept) >= self.MAX_ARRAYS or self._held + size > self.MAX_BYTES:
+            self._evict(kept, size)
         if len(kept) < self.MAX_ARRAYS and self._held + size <= self.MAX_BYTES:
             n = size // dtype.itemsize
             a = self.arena.empty((n,), dtype) if self.arena is not None else None
@@ -108,6 +112,33 @@ class OutputPool:
             self._held += size
             return a[:count].reshape(shape)  # (a view's base is `a`: it counts there)
         return _page_aligned_empty(shape, dtype, nbytes)
+
+    def _evict(self, kept: list, size: int) -> None:
+        """Forget free arrays, least recently used first, when that makes room for one
+        of `size` bytes more in `kept`: what a job reduces may change (another model,
+        evaluation), and a full pool of old sizes would leave every new result on
+        fresh pages. Nothing is forgotten when no room can be made."""
+        free = [(arrays, a) for arrays in self._arrays.values() for a in arrays
+                if sys.getrefcount(a) <= 3]  # the list, `a`, getrefcount's argument
+        count, held, chosen = len(kept), self._held, []
+        for arrays, a in free:
+            if count < self.MAX_ARRAYS and held + size <= self.MAX_BYTES:
+                break
+            chosen.append((arrays, a))
+            held -= a.nbytes
+            count -= arrays is kept
+        if count >= self.MAX_ARRAYS or held + size > self.MAX_BYTES:
+            return
+        for arrays, a in chosen:
+            _remove(arrays, a)
+            self._held -= a.nbytes
+            if self.arena is not None and self.arena.owns(a):
+                self.arena.release(a)
+
+
+def _remove(arrays: list, a: np.ndarray) -> None:
+    """list.remove by identity (== on arrays compares elements)."""
+    del arrays[next(i for i, x in enumerate(arrays) if x is a)]
 
 
 def _size_class(nbytes: int) -> int:
@@ -292,17 +323,30 @@ class Executor:
         inputs = [e.array if e is not None else self._input(r, e) for r, e in zip(batch, entries)]
         start = self._queue_spans(batch, entries)
         if len(batch) > 1:
+            # (an unpacked group's array is still empty: its parts are its input)
+            members = []
+            for entry, array in zip(entries, inputs):
+                if entry is not None and entry.parts is not None:
+                    members += entry.parts
+                else:
+                    members.append(array.reshape(-1))
             self.fused_batches += 1
             # One result array for the batch, reduced in place; each tensor's result is a
             # view of it (from the pool: reused once every view is gone).
             layout = layout or _FusedLayout(batch)
             flat = self.outputs.empty((layout.size,), inputs[0].dtype)
-            kernels.pack_into(flat, inputs, first.prescale)
-            t1 = time.monotonic()
-            self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
-            self.transport.allreduce(flat, op, postscale,
-                                     f"tensor '{first.name}' and {len(batch) - 1} more fused with it")
-            self._span(names, "ALLREDUCE", t1, time.monotonic())
+            what = f"tensor '{first.name}' and {len(batch) - 1} more fused with it"
+            if first.prescale == 1.0 and self.transport.reads_parts and flat.size:
+                # Through shared memory the members are read where they lie: no pack
+                # pass over the bytes (the other paths reduce a packed buffer in place).
+                self.transport.allreduce_parts(members, flat, op, postscale, what)
+                self._span(names, "ALLREDUCE", start, time.monotonic())
+            else:
+                kernels.pack_into(flat, members, first.prescale)
+                t1 = time.monotonic()
+                self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
+                self.transport.allreduce(flat, op, postscale, what)
+                self._span(names, "ALLREDUCE", t1, time.monotonic())
             if not first.joined:
                 self.queue.finish_all(layout.names)
                 Handle.set_results([e.handle for e in entries], layout.views(flat))
@@ -314,10 +358,15 @@ class Executor:
             return flat.nbytes
         entry = entries[0]
         if entry is not None and entry.owned and first.prescale == 1.0:
-            # A group packed into the output pool: reduced in place, it is the result
-            # (through shared memory, with every rank in place, nothing is staged).
+            # A group in the output pool: reduced into it, it is the result. Its members
+            # read where they lie, or packed there (then in place: through shared memory,
+            # with every rank in place, nothing is staged).
             out = entry.array
-            self.transport.allreduce(out.reshape(-1), op, postscale, f"tensor '{first.name}'")
+            if entry.parts is not None:
+                self.transport.allreduce_parts(entry.parts, out.reshape(-1), op, postscale,
+                                               f"tensor '{first.name}'")
+            else:
+                self.transport.allreduce(out.reshape(-1), op, postscale, f"tensor '{first.name}'")
             self._span(names, "ALLREDUCE", start, time.monotonic())
             self._complete(first, entry, out)
             return out.nbytes

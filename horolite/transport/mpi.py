@@ -270,6 +270,19 @@ class MPITransport:
             self.paths["ring"] += 1
             self.ring.allreduce_from(src, dst, op, postscale)
 
+    @property
+    def reads_parts(self) -> bool:
+        """Whether allreduce_parts can read a fused batch's members where they lie."""
+        return self.shared_memory is not None
+
+    def allreduce_parts(self, parts: Sequence[np.ndarray], dst: np.ndarray, op,
+                        postscale: float, what: str = "") -> None:
+        """dst = allreduce of the concatenated 1-D `parts` (a fused batch's members),
+        read where they lie: through shared memory only (reads_parts); the other
+        paths reduce in place, in a buffer the members are packed into first."""
+        self.paths["shared_memory"] += 1
+        self.shared_memory.allreduce(parts, dst, op, postscale, what, self.waiter.watch)
+
     def reducescatter(self, buf: np.ndarray, bounds: List[int], op, postscale: float) -> None:
         self.ring.scatter_reduce(buf, bounds, op, postscale)
 

@@ -27,13 +27,19 @@ _log = logging.getLogger("horolite.transport.result_arena")
 PAGE = 4096
 
 
+def _address(mm: mmap.mmap) -> int:
+    """Where a mapping starts in this process."""
+    return np.frombuffer(mm, dtype=np.uint8, count=1).__array_interface__["data"][0]
+
+
 class ResultArena:
     """This rank's arena (pages exist only once handed out) and the others' mapped here.
 
-    Arrays are handed out by a bump pointer and never taken back: the output
-    pool keeps every array it gets from here and hands it out again, and what
-    it may keep in all is bounded (OutputPool.MAX_BYTES), so the arena only
-    needs to be larger than that.
+    The output pool keeps the arrays it gets from here and hands them out again;
+    when what a job reduces changes, it gives back ones nobody holds (release),
+    whose pages go back to the system and whose range is handed out again, first
+    fit. What the pool keeps in all is bounded (OutputPool.MAX_BYTES), so the
+    arena only needs to be larger than that (and than its holes).
     """
 
     def __init__(self, comm: MPI.Comm, capacity: int):
@@ -48,6 +54,7 @@ class ResultArena:
             os.close(fd)
             raise
         self._next = 0
+        self._holes = []  # released [start, end) ranges, sorted, none adjacent
         self.maps = [None] * comm.Get_size()
         self.maps[self.rank] = self._own
 
@@ -76,8 +83,10 @@ class ResultArena:
     def empty(self, shape, dtype) -> Optional[np.ndarray]:
         """A new array in the arena, or None when it is full or the pages cannot be had."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        start = self._next
-        end = start + (nbytes + PAGE - 1) // PAGE * PAGE
+        length = (nbytes + PAGE - 1) // PAGE * PAGE
+        hole = next((i for i, (a, b) in enumerate(self._holes) if b - a >= length), None)
+        start = self._next if hole is None else self._holes[hole][0]
+        end = start + length
         if end > self.capacity:
             return None
         try:
@@ -86,10 +95,44 @@ class ResultArena:
             os.posix_fallocate(self._fd, start, end - start)
         except OSError:
             return None
-        self._next = end
+        if hole is None:
+            self._next = end
+        elif end == self._holes[hole][1]:
+            del self._holes[hole]
+        else:
+            self._holes[hole] = (end, self._holes[hole][1])
         # Made in its final shape, straight on the mapping: NumPy points every view of
         # it at it (a reshaped view would be skipped), which the pool's reuse test needs.
         return np.ndarray(shape, dtype=dtype, buffer=self._own, offset=start)
+
+    def owns(self, array: np.ndarray) -> bool:
+        """Whether `array` came from empty()."""
+        return array.base is self._own
+
+    def release(self, array: np.ndarray) -> None:
+        """Give back an array from empty() that nothing refers to any more (not even
+        another rank: only its owner's allreduce writes into it)."""
+        start = array.__array_interface__["data"][0] - _address(self._own)
+        length = (array.nbytes + PAGE - 1) // PAGE * PAGE
+        try:  # its pages back to the system (a hole in the memfd, for every mapping)
+            self._own.madvise(mmap.MADV_REMOVE, start, length)
+        except (AttributeError, OSError, ValueError):
+            pass  # kept: handed out again all the same
+        end = start + length
+        if end == self._next:
+            self._next = start
+        else:
+            self._holes.append((start, end))
+            self._holes.sort()
+        merged = []
+        for a, b in self._holes:
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        if merged and merged[-1][1] == self._next:
+            self._next = merged.pop()[0]
+        self._holes = merged
 
     def close(self) -> None:
         """Unmap the other ranks' arenas; ours stays for as long as a result refers to it."""

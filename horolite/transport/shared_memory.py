@@ -14,7 +14,7 @@ are written by the reducing rank directly, without the copy out.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -75,16 +75,32 @@ class SharedMemoryAllreduce:
         self._state = _ffi.new("int64_t[]", 2 + self.size)
         self._blocks = _ffi.new("int64_t *")
         self._epoch = 0  # blocks moved so far: the same on every rank
+        self._one_part = np.zeros(2, dtype=np.int64)  # `starts` of a single input
         comm.Barrier()  # every rank's counters are zero before anyone reads them
 
-    def allreduce(self, src: np.ndarray, dst: np.ndarray, op, postscale: float,
-                  what: str = "", watch=None) -> None:
-        """src and dst: 1-D, contiguous, same size and dtype; dst may be src.
+    def allreduce(self, src: Union[np.ndarray, Sequence[np.ndarray]], dst: np.ndarray, op,
+                  postscale: float, what: str = "", watch=None) -> None:
+        """src and dst: 1-D, contiguous, same size and dtype; dst may be src. src may also
+        be a list of 1-D contiguous arrays of dst's dtype, whose concatenation is the input:
+        the members of a fused batch, read where they lie (no pack into dst first).
         `what` names the tensors in a stall report, e.g. "tensor 'w'". `watch(waited,
         ranks behind)` is called every WATCH_TICK of waiting and may raise to give up
         (collective_watch.py; it also reports the stall); without it, a warning every
         report_after seconds."""
-        code, opc = kernels.native_codes(src.dtype, op)
+        if isinstance(src, np.ndarray):
+            parts = [src]
+            starts = self._one_part
+            starts[1] = src.size
+        else:
+            parts = src
+            starts = np.zeros(len(parts) + 1, dtype=np.int64)
+            np.cumsum([p.size for p in parts], out=starts[1:])
+            if starts[-1] != dst.size:
+                raise ValueError(f"{what or 'a tensor'}: the parts hold {starts[-1]} elements, "
+                                 f"the result {dst.size}")
+        code, opc = kernels.native_codes(dst.dtype, op)
+        buffers = [_ffi.from_buffer(p) for p in parts]  # kept alive through the calls
+        pointers = _ffi.new("char *[]", buffers)
         self._state[0] = 0
         self._state[1] = _lib.HL_SHM_UNPUBLISHED
         tick = min(WATCH_TICK, self.report_after) if watch is not None else self.report_after
@@ -92,8 +108,9 @@ class SharedMemoryAllreduce:
         while True:
             rc = _lib.hl_shm_allreduce(
                 self._headers, self._slots, self._arenas, self._arena_bytes, self.size,
-                self.rank, SLOT_BYTES, SLOTS, _ffi.from_buffer(src),
-                _ffi.from_buffer(dst, require_writable=True), src.size, code, src.itemsize,
+                self.rank, SLOT_BYTES, SLOTS, pointers,
+                _ffi.cast("int64_t *", _ffi.from_buffer(starts)), len(parts),
+                _ffi.from_buffer(dst, require_writable=True), dst.size, code, dst.itemsize,
                 opc, postscale, self._epoch, self._state, tick, self.polite,
                 self._blocks)
             if rc == 0:

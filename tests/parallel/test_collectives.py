@@ -316,6 +316,47 @@ def test_large_grouped_allreduce_members_aligned_and_buffers_reused_safely():
             assert_close(h, want[1], dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_large_group_members_are_read_where_they_lie(dtype):
+    # A group of 4 MiB or more is reduced straight into the result buffer: through shared
+    # memory its members (odd sizes, padding between them, a strided one) are read where
+    # they lie ("direct": not packed first); elsewhere packed. Also fused with other
+    # tensors, scaled (packed), and the members are left as they were.
+    from horolite.api.basics import runtime
+    from horolite.api.grouping import IN_PLACE_MIN_BYTES
+    itemsize = np.dtype(np_dtype(dtype)).itemsize
+    big = IN_PLACE_MIN_BYTES // itemsize
+    shapes = [(10,), (big // 3, 3), (7,), (2 * 9_999,), (big // 4,)]
+    key = ("read", dtype)
+    mine = [make(RANK, s, dtype, key + (i,)) for i, s in enumerate(shapes)]
+    mine[3] = mine[3][::2]  # strided: copied first
+    theirs = [[make(r, s, dtype, key + (i,)) for i, s in enumerate(shapes)] for r in range(SIZE)]
+    want = [reference(hvd.Sum, [t[i] if i != 3 else t[i][::2] for t in theirs], dtype)
+            for i in range(len(shapes))]
+    before = [m.copy() for m in mine]
+    shm = runtime().transport.shared_memory
+    for step in range(2):
+        got = hvd.grouped_allreduce(mine, op=hvd.Sum, name=f"group.read.{dtype}")
+        for g, w in zip(got, want):
+            assert_close(g, w, dtype)
+        if shm is not None:
+            assert shm.last_mode == "direct", shm.last_mode
+    # submitted with a single tensor: fused with it when both reach the same cycle, as
+    # they mostly do (the group's parts are then the batch's input)
+    lone = make(RANK, (1000,), dtype, key + ("lone",))
+    handles = [hvd.grouped_allreduce_async(mine, op=hvd.Sum, name=f"group.read.{dtype}"),
+               hvd.allreduce_async(lone, op=hvd.Sum, name=f"group.read.lone.{dtype}")]
+    got, lone_sum = hvd.synchronize(handles[0]), hvd.synchronize(handles[1])
+    for g, w in zip(got, want):
+        assert_close(g, w, dtype)
+    assert_close(lone_sum, reference(hvd.Sum, [make(r, (1000,), dtype, key + ("lone",))
+                                               for r in range(SIZE)], dtype), dtype)
+    scaled = hvd.grouped_allreduce(mine, op=hvd.Sum, prescale_factor=0.5,
+                                   name=f"group.read.scaled.{dtype}")
+    assert_close(scaled[1], reference(hvd.Sum, [t[1] for t in theirs], dtype) * 0.5, dtype)
+    assert all(np.array_equal(m, b) for m, b in zip(mine, before)), "a member was modified"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16"])
 def test_grouped_allreduce_of_flat_members_with_padding_and_a_strided_one(dtype):
     # All members 1-d (packed by NumPy's concatenate), odd sizes (padding in between),

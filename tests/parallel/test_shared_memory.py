@@ -168,6 +168,46 @@ def test_large_results_stream_into_every_rank(shm, dtype, op, where):
     assert len(set(everyone)) == 1, everyone
 
 
+def split_at_odd_places(array, rank):
+    """`array` as a list of views: empty parts, one-element parts, parts across a 16 KiB
+    chunk and a slot boundary, and a long tail; the cuts differ from rank to rank."""
+    per_slot = shm_mod.SLOT_BYTES // array.itemsize
+    chunk = 16384 // array.itemsize
+    cuts = sorted({c for c in (0, 0, 1, 2, 3 + rank, chunk - 1 - rank, chunk + 5, chunk + 5,
+                               per_slot - 2 * rank - 1, per_slot + 3, 2 * per_slot + rank)
+                   if c <= array.size} | {array.size})
+    edges = [0] + cuts + [array.size]
+    return [array[a:b] for a, b in zip(edges, edges[1:])] + [array[array.size:]]
+
+
+@needs_ranks
+@pytest.mark.parametrize("where", ["private", "arena"])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX], ids=lambda o: o.name)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32"])
+def test_members_are_read_where_they_lie(shm, dtype, op, where):
+    # A fused batch's members go in as a list (no pack first): the concatenation is
+    # reduced, whatever the cuts, and the members are left as they were. Large enough
+    # for streaming stores (8 MiB) in float32, across several slots otherwise.
+    itemsize = np.dtype(np_dtype(dtype)).itemsize
+    per_slot = shm_mod.SLOT_BYTES // itemsize
+    for count in (2 * per_slot + 13, ((9 << 20) // itemsize) if dtype == "float32" else 7):
+        postscale = 1.0 / SIZE if op == ReduceOp.AVERAGE else 1.0
+        inputs = [make(q, count, dtype, ("parts", op.name, count), 50) for q in range(SIZE)]
+        parts = split_at_odd_places(inputs[RANK].copy(), RANK)
+        before = [p.copy() for p in parts]
+        dst = output(shm, where, count, inputs[RANK].dtype)
+        shm.allreduce(parts, dst, op, postscale, what="tensor 'parts'")
+        assert shm.last_mode == ("one-shot" if count * itemsize <= shm_mod.ONE_SHOT_BYTES
+                                 else MODES[where])
+        assert all(np.array_equal(p, b) for p, b in zip(parts, before)), "a member was modified"
+        want = reference(op, inputs, dtype)
+        if op == ReduceOp.AVERAGE and dtype == "float16":
+            np.testing.assert_allclose(dst.astype(np.float64), want, rtol=1e-3)
+        else:
+            np.testing.assert_allclose(dst.astype(np.float64), want, rtol=1e-7, atol=0,
+                                       err_msg=f"{count} elements")
+
+
 @needs_ranks
 def test_every_rank_chooses_the_mode_the_least_able_rank_allows(shm):
     # Calls switch between the three modes, over more blocks than slots: each mode

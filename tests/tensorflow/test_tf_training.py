@@ -95,6 +95,42 @@ def test_tape_data_parallel_equivalence(mode):
     np.testing.assert_allclose(b.numpy(), ref_b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_large_gradients_read_where_they_lie_are_right(mode):
+    # A step's gradients of 4 MiB or more reach the shared-memory allreduce as the NumPy
+    # views of TensorFlow's buffers, read after the enqueue op returned, while TensorFlow
+    # goes on (here: allocating more tensors of the same size, which must never land in
+    # a buffer still being read). Every step is checked against NumPy.
+    from horolite.api.basics import runtime
+    from horolite.api.grouping import IN_PLACE_MIN_BYTES
+    rows = IN_PLACE_MIN_BYTES // (4 * 512) + 3  # one variable alone is over the threshold
+    coef = [np.random.RandomState(100 + r).uniform(-1, 1, (rows, 512)).astype(np.float32)
+            for r in range(N)]
+    w0 = np.random.RandomState(7).normal(size=(rows, 512)).astype(np.float32)
+    w, v = tf.Variable(w0), tf.Variable(np.ones(300, np.float32))
+    c = tf.constant(coef[R])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(w) * c) + tf.reduce_sum(v * float(R + 1))
+        gw, gv = hvd.DistributedGradientTape(tape).gradient(loss, [w, v])
+        noise = [tf.square(c) + float(i) for i in range(4)]  # fresh buffers of that size
+        w.assign_sub(0.01 * gw)
+        v.assign_sub(0.01 * gv)
+        return tf.add_n([tf.reduce_sum(n) for n in noise])
+
+    step = tf.function(step) if mode == "function" else step
+    ref = w0.astype(np.float64)
+    for _ in range(3):
+        step()
+        ref = ref - 0.01 * np.mean([2 * ref * coef[r] for r in range(N)], axis=0)
+        np.testing.assert_allclose(w.numpy(), ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(v.numpy(), 1 - 0.03 * (N + 1) / 2, rtol=1e-5)
+    shm = runtime().transport.shared_memory
+    if shm is not None:
+        assert shm.last_mode == "direct", shm.last_mode  # read where they lie, not packed
+
+
 def test_tape_none_local_groups_and_predivide():
     w, b, unused = tf.Variable(W0), tf.Variable(B0), tf.Variable(1.0)
     local = tf.Variable(float(R))

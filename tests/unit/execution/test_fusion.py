@@ -122,3 +122,55 @@ def test_every_field_of_the_fusion_key_breaks_a_batch():
                          ("device", "cuda:0"), ("joined", (1,))):
         rs = [ar("a", 1), ar("b", 1), ar("x", 1, **{field: value}), ar("y", 1, **{field: value})]
         assert names(rs, 1 << 20) == [["a", "b"], ["x", "y"]], field
+
+
+def test_output_pool_forgets_free_arrays_of_old_sizes_when_full():
+    # A job whose results change size (another model, evaluation) gets pooled arrays again:
+    # free arrays are forgotten, least recently used first, only when that makes room.
+    from horolite.execution.executor import OutputPool
+    pool = OutputPool()
+    pool.MAX_BYTES = 4 << 20
+    f32 = np.dtype(np.float32)
+    import weakref
+    old = [pool.empty((1 << 18,), f32) for _ in range(4)]  # 4 x 1 MiB: full
+    bases = [weakref.ref(o.base) for o in old]
+    held = old[1]
+    del old
+    again = pool.empty((1 << 18,), f32)  # reused, and now the most recently used
+    assert again.base is bases[0]()
+    del again
+    new = pool.empty((1 << 19,), f32)  # 2 MiB: the two least recently used free ones go
+    assert pool._held == 4 << 20
+    kept = pool._arrays[f32]
+    assert [b() is not None for b in bases] == [True, True, False, False]
+    assert any(a is bases[1]() for a in kept), "an array the caller holds was forgotten"
+    assert any(a is new.base for a in kept) and len(kept) == 3
+    # no room can be made (all but one 1 MiB held): nothing is forgotten, and unpooled
+    big = pool.empty((1 << 20,), f32)
+    assert len(pool._arrays[f32]) == 3 and pool._held == 4 << 20
+    assert not any(a is big.base for a in pool._arrays[f32]) and held is not None
+
+
+def test_result_arena_hands_released_ranges_out_again():
+    from mpi4py import MPI
+    from horolite.transport.result_arena import PAGE, ResultArena
+    arena = ResultArena(MPI.COMM_SELF, 64 * PAGE)
+    f32 = np.dtype(np.float32)
+    a, b, c = (arena.empty((n * PAGE // 4,), f32) for n in (4, 8, 4))
+    start = lambda x: x.__array_interface__["data"][0]
+    assert start(b) - start(a) == 4 * PAGE and start(c) - start(b) == 8 * PAGE
+    b[:] = 7
+    arena.release(b)
+    d = arena.empty((3 * PAGE // 4,), f32)  # first fit: in b's range
+    assert start(d) == start(b)
+    e = arena.empty((5 * PAGE // 4,), f32)  # the 5 pages left of it
+    assert start(e) == start(b) + 3 * PAGE
+    arena.release(c)  # the last range: the bump pointer moves back
+    arena.release(e)
+    f = arena.empty((60 * PAGE // 4,), f32)  # too large now...
+    assert f is None
+    arena.release(d)
+    g = arena.empty((60 * PAGE // 4,), f32)  # ...fits once all after `a` is free again
+    assert g is not None and start(g) == start(a) + 4 * PAGE
+    assert arena.owns(g) and not arena.owns(np.zeros(3))
+    arena.close()
