@@ -254,6 +254,34 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
     int64_t *const offsets = state + 2;
     *blocks = nblocks;
 
+    if (count > 0 && count * itemsize <= HL_SHM_ONE_SHOT_BYTES && count <= per_block) {
+        /* One shot: every rank stages all of its buffer and reduces every rank's copy
+         * itself, in rank order (so every rank rounds alike): one wait on the others
+         * instead of two. Every rank decides alike (same count and dtype). */
+        const int64_t kk = epoch;
+        const size_t off = (size_t)(kk % nslots) * slot_bytes, bytes = count * itemsize;
+        int rc;
+        if (state[0] == 0) {
+            if (wait_all(headers, n, HL_SHM_GATHERED, kk - nslots + 1, deadline, polite))
+                return 1;
+            read_input(slots[r] + off, &in, 0, count); /* every part, in order */
+            store_counter(&headers[r][HL_SHM_STAGED], kk + 1);
+            state[0] = 1;
+            state[1] = HL_SHM_ONE_SHOT;
+        }
+        if (wait_all(headers, n, HL_SHM_STAGED, kk + 1, deadline, polite))
+            return 1;
+        memcpy(out, slots[0] + off, bytes);
+        for (int q = 1; q < n; q++)
+            if ((rc = hl_reduce(out, slots[q] + off, count, dtype, op,
+                                q == n - 1 ? postscale : 1.0)) < 0)
+                return rc;
+        store_counter(&headers[r][HL_SHM_REDUCED], kk + 1);
+        store_counter(&headers[r][HL_SHM_GATHERED], kk + 1); /* done reading the slots */
+        state[0] = 3;
+        return 0;
+    }
+
     if (state[1] == HL_SHM_UNPUBLISHED) {
         /* where my result is in my arena, or -1; read by the others once they see
          * my first block staged (the release below orders the two) */

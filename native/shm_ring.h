@@ -41,12 +41,17 @@
 #define HL_SHM_OUT_OFFSET 24
 #define HL_SHM_IN_PLACE 25
 
+/* Calls of at most this many bytes go in one shot: each rank stages its whole
+ * buffer and reduces all ranks' copies itself (one wait instead of two). */
+#define HL_SHM_ONE_SHOT_BYTES ((size_t)32 << 10)
+
 /* state[1] of a call: set to HL_SHM_UNPUBLISHED before the first try */
 #define HL_SHM_UNPUBLISHED (-2)
 #define HL_SHM_UNDECIDED (-1)
 #define HL_SHM_GATHER 0
 #define HL_SHM_DIRECT 1
 #define HL_SHM_SHARED 2
+#define HL_SHM_ONE_SHOT 3
 
 /* dst = allreduce(input) over n ranks. The input is the concatenation of
  * `nparts` arrays: parts[i] holds elements [starts[i], starts[i + 1]) (starts

@@ -34,6 +34,8 @@ SLOT_BYTES = 1 << 20
 SLOTS = 4
 _WORDS = {"staged": _lib.HL_SHM_STAGED, "reduced": _lib.HL_SHM_REDUCED,
           "gathered": _lib.HL_SHM_GATHERED}
+# Calls of at most this many bytes take one wait on the other ranks instead of two.
+ONE_SHOT_BYTES = _lib.HL_SHM_ONE_SHOT_BYTES
 # How often a wait in the C loop comes back to Python to check for failures and stalls.
 WATCH_TICK = 0.25
 # Address space for each rank's result arena; memory is used only as the
@@ -128,9 +130,10 @@ class SharedMemoryAllreduce:
     def last_mode(self) -> str:
         """How the last call ran (native/shm_ring.h): "gather" (some result private:
         each rank copied out), "direct" (results in arenas, written by their owners) or
-        "shared" (also in place everywhere: nothing staged after the first block)."""
+        "shared" (also in place everywhere: nothing staged after the first block), or
+        "one-shot" (at most ONE_SHOT_BYTES: each rank reduced every rank's copy)."""
         return {_lib.HL_SHM_GATHER: "gather", _lib.HL_SHM_DIRECT: "direct",
-                _lib.HL_SHM_SHARED: "shared"}[self._state[1]]
+                _lib.HL_SHM_SHARED: "shared", _lib.HL_SHM_ONE_SHOT: "one-shot"}[self._state[1]]
 
     def _behind(self):
         """Ranks whose progress is behind this rank's (the ones being waited for)."""

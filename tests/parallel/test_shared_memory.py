@@ -43,8 +43,9 @@ def make(rank, count, dtype, key, high):
 
 def sizes(dtype):
     per_slot = shm_mod.SLOT_BYTES // np_dtype(dtype).itemsize
-    return sorted({1, 2, 5, max(SIZE - 1, 1), per_slot - 1, per_slot, per_slot + 1,
-                   3 * per_slot + 13})
+    one_shot = shm_mod.ONE_SHOT_BYTES // np_dtype(dtype).itemsize  # the largest in one shot
+    return sorted({1, 2, 5, max(SIZE - 1, 1), one_shot, one_shot + 1, per_slot - 1, per_slot,
+                   per_slot + 1, 3 * per_slot + 13})
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,8 @@ def reduce_where(shm, where, mine, op, postscale, what):
     else:
         src = mine.copy()
     shm.allreduce(src, dst, op, postscale, what=what)
-    assert shm.last_mode == MODES[where]
+    assert shm.last_mode == ("one-shot" if mine.nbytes <= shm_mod.ONE_SHOT_BYTES
+                             else MODES[where])
     return src, dst
 
 
@@ -195,7 +197,8 @@ def test_members_are_read_where_they_lie(shm, dtype, op, where):
         before = [p.copy() for p in parts]
         dst = output(shm, where, count, inputs[RANK].dtype)
         shm.allreduce(parts, dst, op, postscale, what="tensor 'parts'")
-        assert shm.last_mode == MODES[where]
+        assert shm.last_mode == ("one-shot" if count * itemsize <= shm_mod.ONE_SHOT_BYTES
+                                 else MODES[where])
         assert all(np.array_equal(p, b) for p, b in zip(parts, before)), "a member was modified"
         want = reference(op, inputs, dtype)
         if op == ReduceOp.AVERAGE and dtype == "float16":
@@ -231,10 +234,12 @@ def test_every_rank_chooses_the_mode_the_least_able_rank_allows(shm):
 
 @needs_ranks
 @pytest.mark.parametrize("where", ["private", "arena"])
-def test_result_identical_on_every_rank(shm, where):
-    # Each segment is reduced once, by its owner: every rank gets the same bits,
-    # even for a sum whose rounding depends on the order.
-    count = shm_mod.SLOT_BYTES // 4 * 2 + 3
+@pytest.mark.parametrize("blocks", ["one-shot", "blocks"])
+def test_result_identical_on_every_rank(shm, where, blocks):
+    # Each segment is reduced once, by its owner (in one shot: by every rank, in rank
+    # order): every rank gets the same bits, even for a sum whose rounding depends on
+    # the order.
+    count = shm_mod.ONE_SHOT_BYTES // 4 - 3 if blocks == "one-shot" else shm_mod.SLOT_BYTES // 4 * 2 + 3
     x = (np.random.RandomState(RANK).standard_normal(count) * 10.0 ** (RANK % 5)).astype(np.float32)
     out = output(shm, where, count, np.float32)
     shm.allreduce(x, out, ReduceOp.SUM, 1.0)

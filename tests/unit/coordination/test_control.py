@@ -58,3 +58,23 @@ def test_the_last_slot_of_a_large_cache_and_the_received_vector():
     ranks[1].received[:] = reduce_or(sent)  # what the runtime's allreduce writes into
     d = ranks[1].decode()  # default: the received vector
     assert d.ready == [64, 4095] and d.invalid == [4095]
+
+
+def test_a_repeated_cycle_reuses_the_vectors_and_a_changed_one_does_not():
+    # A step that repeats encodes and decodes the same vectors: kept, not rebuilt. Any
+    # change (flags, setting, a slot ready or invalid) must show in both.
+    a, b = ControlVector(1024), ControlVector(1024)
+    first = a.encode(0, (1 << 20, 1.0), {3: None, 70: None}, set()).copy()
+    assert np.array_equal(a.encode(0, (1 << 20, 1.0), {3: None, 70: None}, set()), first)
+    for flags, setting, ready, invalid in [(HAS_UNSENT, (1 << 20, 1.0), [3, 70], []),
+                                           (0, (1 << 21, 1.0), [3, 70], []),
+                                           (0, (1 << 20, 1.0), [3], []),
+                                           (0, (1 << 20, 1.0), [3, 70], [9]),
+                                           (0, (1 << 20, 1.0), [3, 70], [])]:
+        sent = [a.encode(flags, setting, ready, invalid).copy(),
+                b.encode(0, None, [3, 70, 500], []).copy()]
+        out = reduce_or(sent)
+        d = b.decode(out)
+        assert (d.flags, d.fusion_threshold, d.ready, d.invalid) == \
+            (flags, setting[0], sorted(ready), invalid)
+        assert b.decode(out.copy()) is d  # the same vector again: the same decision
