@@ -149,20 +149,21 @@ def report(r: dict, n: int):
 
 
 # What limits a missed target (docs/benchmarks.md, "One training step").
-_EXCHANGE = ("the exchange (packing 100 MB, the allreduce) sits on the step's critical path: "
-             "with one TensorFlow thread per rank on 2 cores no core is idle to overlap it, and "
-             "on a shared VM it waits on the scheduler for the other rank")
+_EXCHANGE = ("the exchange sits on the step's critical path: with one TensorFlow thread per "
+             "rank on 2 cores no core is idle to overlap it with backprop (one tensor of the "
+             "step's 100 MB takes 11-13 ms quiet, a fifth of the ~20 ms a plain step would "
+             "allow)")
+_SKEW = ("from the submit to the result 19 ms a step on a quiet VM (the allreduce 14 ms, "
+         "the ranks reaching it 8.5 ms apart, median); the other ~20 ms lie between "
+         "backprop's end and the wait op's return (the enqueue and wait ops' scheduling in "
+         "TensorFlow's one thread), not yet separated")
 LIMITS = {
-    "DistributedGradientTape, tf.function": _EXCHANGE,
+    "DistributedGradientTape, tf.function": _EXCHANGE + "; and " + _SKEW,
     "DistributedOptimizer, Keras fit": "a fit step is timed inside fit, without a barrier: "
         "plain processes each run at their own pace, while horolite's ranks wait for the slower "
-        "one every step, and under load a step's time varies by 2-5x (a tape step is timed "
-        "from a barrier, so there plain pays that wait too); then " + _EXCHANGE,
-    ("adds", "DistributedGradientTape, tf.function"):
-        "not yet separated: the enqueue op (a Python numpy_function, holding the GIL the "
-        "background thread also needs), the wait op's completion, and TensorFlow's own work "
-        "around them; read 0.07 at load 0.80 and 1.35 at load 0.49",
+        "one every step; then " + _EXCHANGE,
+    ("adds", "DistributedGradientTape, tf.function"): _SKEW,
     ("adds", "DistributedOptimizer, Keras fit"):
-        "not measured apart; presumably mostly the wait for the slower rank every step (see "
-        "the throughput row), which the NumPy step, timed from a barrier, does not include",
+        "as the tape's, plus the wait for the slower rank every step (see the throughput "
+        "row), which the NumPy step, timed from a barrier, does not include",
 }

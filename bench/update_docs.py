@@ -68,8 +68,8 @@ def main():
         "## Latest results", "",
         "Each table is the latest run of its script (date and commit in its heading line); the PNG\n"
         "next to it is written by the same run.", "",
-        *[section(title, name) for title, name in RUNS],
-        autotune_notes,
+        *[section(title, name) + (autotune_notes if name == "autotune_recovery" else "")
+          for title, name in RUNS],
     ])
     with open(DOC, "w") as f:
         f.write(head + body + "\n" + tail)
