@@ -153,10 +153,11 @@ _EXCHANGE = ("the exchange sits on the step's critical path: with one TensorFlow
              "rank on 2 cores no core is idle to overlap it with backprop (one tensor of the "
              "step's 100 MB takes 11-13 ms quiet, a fifth of the ~20 ms a plain step would "
              "allow)")
-_SKEW = ("from the submit to the result 19 ms a step on a quiet VM (the allreduce 14 ms, "
-         "the ranks reaching it 8.5 ms apart, median); the other ~20 ms lie between "
-         "backprop's end and the wait op's return (the enqueue and wait ops' scheduling in "
-         "TensorFlow's one thread), not yet separated")
+_SKEW = ("a distributed step is backprop up to the enqueue op (74-87 ms, as plain), the "
+         "exchange (20-33 ms from the submit to the result: the allreduce 13-30 ms, and the "
+         "ranks reach it 8.5-13 ms apart, median) and the optimizer's update after the wait "
+         "op (16-19 ms, as plain): the exchange is the whole difference (probes on the quiet "
+         "VM)")
 LIMITS = {
     "DistributedGradientTape, tf.function": _EXCHANGE + "; and " + _SKEW,
     "DistributedOptimizer, Keras fit": "a fit step is timed inside fit, without a barrier: "
