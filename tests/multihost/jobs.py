@@ -1,4 +1,5 @@
 """Jobs on the bed: horolite-run started on hl-a, and rank-side pytest files across hosts."""
+import contextlib
 import os
 import shutil
 import sys
@@ -11,6 +12,17 @@ HOROLITE_RUN = os.path.join(os.path.dirname(sys.executable), "horolite-run")
 def launch(bed, hosts: str, argv, env=None, timeout: float = 300, extra=()):
     """``horolite-run -H hosts argv`` started on the first host (hl-a), from ROOT."""
     return bed.run([HOROLITE_RUN, "-H", hosts, *extra, *argv], timeout=timeout, env=env)
+
+
+@contextlib.contextmanager
+def stopped_at_exit(job):
+    """`job` (a Popen), killed on the way out if it still runs (the block failed first)."""
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
 
 
 def run_pytest_across(bed, hosts: str, path: str, env=None, pytest_args=(), timeout=300):

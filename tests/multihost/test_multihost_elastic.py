@@ -5,7 +5,7 @@ import re
 import sys
 import time
 
-from jobs import HOROLITE_RUN, ROOT
+from jobs import HOROLITE_RUN, ROOT, stopped_at_exit
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "launcher"))
 from elastic_util import TRAIN, check_final, generations, resumed, steps_done  # noqa: E402
@@ -33,14 +33,10 @@ def _pid(outdir, gen, rank):
 def test_kill9_of_one_hosts_ranks_goes_on_with_the_survivors(bed, no_leftovers, tmp_path):
     job = _start(bed, ["-H", "hl-a:1,hl-b:2,hl-c:1", "-np", 4, "--min-np", 2, sys.executable,
                        TRAIN, tmp_path, "--steps", 36, "--commit-every", 4, "--sleep", 0.1])
-    try:
+    with stopped_at_exit(job):
         _wait(tmp_path, 0, 10, job)
         bed.on("hl-b", ["kill", "-9", _pid(tmp_path, 0, 1), _pid(tmp_path, 0, 2)])
         out, err = job.communicate(timeout=240)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     assert job.returncode == 0, err[-4000:]
     assert generations(tmp_path) == [0, 1], err[-3000:]
     assert re.search(r"generation 0 failed \(rank [12] \(host hl-b, pid \d+\) was killed by "
@@ -62,16 +58,12 @@ def test_hosts_added_and_removed_by_discovery_join_and_leave_at_a_commit(bed, no
     job = _start(bed, ["-np", 2, "--min-np", 2, "--host-discovery-script", script,
                        sys.executable, TRAIN, tmp_path, "--steps", 60, "--commit-every", 3,
                        "--sleep", 0.1])
-    try:
+    with stopped_at_exit(job):
         _wait(tmp_path, 0, 4, job)
         hosts.write_text("hl-a:1\nhl-b:1\nhl-c:2\n")
         _wait(tmp_path, 1, 4, job)
         hosts.write_text("hl-a:1\nhl-c:2\n")
         out, err = job.communicate(timeout=240)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     assert job.returncode == 0, err[-4000:]
     assert generations(tmp_path) == [0, 1, 2], err[-3000:]
     assert "generation 1: 4 ranks on hl-a:1,hl-b:1,hl-c:2" in err, err[-3000:]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jobs import HOROLITE_RUN, ROOT
+from jobs import HOROLITE_RUN, ROOT, stopped_at_exit
 
 STEADY = os.path.join(ROOT, "tests", "multihost", "ranks", "steady_allreduce.py")
 PROBE = os.path.join(ROOT, "tests", "launcher_rank", "probe.py")
@@ -21,22 +21,26 @@ def _wait_for(path, job, seconds=60):
     assert os.path.exists(path), "the job did not start reducing"
 
 
+def _through_outage(bed, job, ready, host, seconds, timeout):
+    """(out, err) of `job` once it has started reducing and `host`'s link has been down
+    for `seconds`, then up again."""
+    with stopped_at_exit(job):
+        try:
+            _wait_for(ready, job)
+            time.sleep(1)
+            bed.link(host, up=False)
+            time.sleep(seconds)
+            bed.link(host, up=True)
+            return job.communicate(timeout=timeout)
+        finally:
+            bed.link(host, up=True)
+
+
 def test_a_link_down_for_5_seconds_is_survived_with_right_results(bed, no_leftovers, tmp_path):
     ready = str(tmp_path / "ready")
     job = bed.popen(0, [HOROLITE_RUN, "-H", "hl-a:1,hl-b:1,hl-c:1", "python", STEADY, "9", ready],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(ready, job)
-        time.sleep(1)
-        bed.link("hl-b", up=False)
-        time.sleep(5)
-        bed.link("hl-b", up=True)
-        out, err = job.communicate(timeout=120)
-    finally:
-        bed.link("hl-b", up=True)
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+    out, err = _through_outage(bed, job, ready, "hl-b", 5, timeout=120)
     assert job.returncode == 0, out + err
     # Every step's result was checked against its known value, and the ranks did wait
     # for the link (a step of seconds), so the outage fell inside the job.
@@ -56,18 +60,7 @@ def test_after_an_outage_the_job_ends_quietly_and_together(bed, no_leftovers, tm
     job = bed.popen(0, [HOROLITE_RUN, "-H", "hl-a:1,hl-b:1", "--stall-check-warning-time-seconds",
                         "3", "python", STEADY, "8", ready],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(ready, job)
-        time.sleep(1)
-        bed.link("hl-b", up=False)
-        time.sleep(OUTAGE)
-        bed.link("hl-b", up=True)
-        out, err = job.communicate(timeout=180)
-    finally:
-        bed.link("hl-b", up=True)
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+    out, err = _through_outage(bed, job, ready, "hl-b", OUTAGE, timeout=180)
     assert job.returncode == 0, out + err
     assert "no word from rank 1 (host hl-b)" in err  # the outage was seen
     assert "was not matched" not in out + err, (out + err)[-3000:]
@@ -87,17 +80,15 @@ def test_a_host_whose_link_stays_down_is_named_by_the_other_hosts_ranks(hosts, e
                         "--stall-check-shutdown-time-seconds", "5", "python", STEADY, "60", ready],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                     env=dict(os.environ, **env))
-    try:
-        _wait_for(ready, job)
-        bed.link("hl-c", up=False)
-        start = time.monotonic()
-        out, err = job.communicate(timeout=60)
-        elapsed = time.monotonic() - start
-    finally:
-        bed.link("hl-c", up=True)
-        if job.poll() is None:
-            job.kill()
-            job.wait()
+    with stopped_at_exit(job):
+        try:
+            _wait_for(ready, job)
+            bed.link("hl-c", up=False)
+            start = time.monotonic()
+            out, err = job.communicate(timeout=60)
+            elapsed = time.monotonic() - start
+        finally:
+            bed.link("hl-c", up=True)
     assert job.returncode != 0
     assert elapsed < 50, f"{elapsed:.0f}s: not ended by the stall shutdown (the job runs 60 s)"
     # Every rank on the hosts still connected names hl-c's ranks (from their heartbeats),

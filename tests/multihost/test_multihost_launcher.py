@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from jobs import ROOT, launch
+from jobs import ROOT, launch, stopped_at_exit
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "launcher"))
 from launcher_util import PROBE, marks, wait_for_marks  # noqa: E402
@@ -76,16 +76,12 @@ def test_ctrl_c_stops_every_rank_on_every_host(bed, no_leftovers, tmp_path):
                         "python", PROBE, str(tmp_path), "--sleep", "120"],
                     stdout=__import__("subprocess").PIPE, stderr=__import__("subprocess").PIPE,
                     text=True)
-    try:
+    with stopped_at_exit(job):
         assert wait_for_marks(tmp_path, 3, 60)
         with open(f"/proc/{job.pid}/task/{job.pid}/children") as f:
             launcher = int(f.read().split()[0])  # nsenter's child: horolite-run on hl-a
         os.kill(launcher, signal.SIGINT)
         out, err = job.communicate(timeout=30)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     assert job.returncode == 130, err
     assert "stopped by SIGINT" in err
 

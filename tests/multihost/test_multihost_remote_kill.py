@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from jobs import HOROLITE_RUN, ROOT
+from jobs import HOROLITE_RUN, ROOT, stopped_at_exit
 
 LOOP = os.path.join(ROOT, "tests", "multihost", "ranks", "allreduce_loop.py")
 RUNS = int(os.environ.get("HOROLITE_REMOTE_KILL_RUNS", "10"))
@@ -49,7 +49,7 @@ def test_kill_9_of_a_remote_rank_never_crashes_a_survivor(hierarchical, bed, no_
         out.mkdir()
         job = bed.popen(0, [HOROLITE_RUN, "-H", "hl-a:2,hl-b:2", "python", LOOP, str(out), "60"],
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        try:
+        with stopped_at_exit(job):
             deadline = time.monotonic() + 60
             while not (out / "3.pid").exists() and job.poll() is None and \
                     time.monotonic() < deadline:
@@ -59,10 +59,6 @@ def test_kill_9_of_a_remote_rank_never_crashes_a_survivor(hierarchical, bed, no_
             pid = (out / "3.pid").read_text()
             bed.on("hl-b", ["kill", "-9", pid])
             _, err = job.communicate(timeout=60)
-        finally:
-            if job.poll() is None:
-                job.kill()
-                job.wait()
         assert "SIGSEGV" not in err and "Segmentation fault" not in err, f"run {run}: {err[-4000:]}"
         assert job.returncode == 128 + 9, f"run {run}: {err[-3000:]}"
         assert f"job failed: rank 3 (host hl-b, pid {pid}) was killed by signal 9 (SIGKILL); " \
@@ -87,7 +83,7 @@ def test_a_host_whose_every_rank_was_killed_has_its_segment_removed_over_ssh(bed
     through ssh (launcher/shm_cleanup.py)."""
     job = bed.popen(0, [HOROLITE_RUN, "-H", "hl-a:2,hl-b:2", "python", LOOP, str(tmp_path), "60"],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with stopped_at_exit(job):
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"{r}.pid").exists() for r in (2, 3)) and \
                 job.poll() is None and time.monotonic() < deadline:
@@ -95,10 +91,6 @@ def test_a_host_whose_every_rank_was_killed_has_its_segment_removed_over_ssh(bed
         pids = [(tmp_path / f"{r}.pid").read_text() for r in (2, 3)]
         bed.on("hl-b", ["kill", "-9", *pids])
         _, err = job.communicate(timeout=60)
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
     there = set((tmp_path / "2.shm").read_text().split())
     assert re.search(r"removed \d shared-memory segment\(s\) the job left in /dev/shm on hl-b: "
                      r"mpich_shm_\w+", err), err[-3000:]
