@@ -57,10 +57,10 @@ _GROUP_ALIGN = 64  # bytes: TensorFlow copies a NumPy result that is not this al
 _group_buffers = OutputPool()  # (a fresh buffer of many MiB per step costs its page faults)
 _group_buffers_lock = threading.Lock()
 _zeros = {}  # dtype -> _GROUP_ALIGN zero bytes, the padding between members
-# Groups from this size on are packed into the runtime's output pool and reduced in
-# place: through shared memory that skips staging every block after the first (1 MiB
-# each). Below it, 200 x 4 KiB groups measured faster packed apart (0.29-0.54 ms a step
-# against 0.72-0.93 ms in place, np 2 under load).
+# Groups from this size on are reduced into the runtime's output pool: through shared
+# memory their members are read where they lie (no pack), elsewhere packed there and
+# reduced in place. Below it one np.concatenate into a buffer of this module's costs
+# less than a list of parts (200 x 4 KiB: Python per member outweighs the copy).
 IN_PLACE_MIN_BYTES = 4 << 20
 
 
