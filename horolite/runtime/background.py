@@ -90,8 +90,9 @@ class Runtime(JobEnd):
         if leader is not None:  # a process set's messages name job ranks
             self.failures.where = self._where_in_job
         # Connections to peers on other hosts that closed (links.py): never sent to.
+        # Ranks on one host reach each other through shared memory, not UCX's sockets.
         self.links = (leader.links if leader is not None else
-                      LinkWatch(comm, hostnames) if self.size > 1 else None)
+                      LinkWatch(comm, hostnames) if len(set(hostnames)) > 1 else None)
         if leader is None:
             self.failures.unsafe = self._unreachable
             if self.links is not None:

@@ -165,6 +165,16 @@ def test_every_rank_adopts_rank0_settings():
     assert rt._cycle_seconds == pytest.approx(0.001)
 
 
+def test_peer_connections_are_watched_only_across_hosts():
+    # links.py guards sends to peers on other hosts; ranks on one host share memory,
+    # and watching costs every thread that sends a look at this process's sockets.
+    from horolite.core.hosts import host_name
+    from mpi4py import MPI
+    hosts = set(MPI.COMM_WORLD.allgather(host_name()))
+    rt = hvd.api.basics.runtime()
+    assert (rt.links is not None) == (len(hosts) > 1), hosts
+
+
 @multi
 def test_stall_shutdown_ends_the_job_with_the_message():
     reinit(HOROLITE_STALL_CHECK_TIME_SECONDS="0.5", HOROLITE_STALL_SHUTDOWN_TIME_SECONDS="1.5")
