@@ -68,9 +68,8 @@ def _tcp_table(inodes: Dict[str, int]) -> List[Tuple[Address, Address, int, int]
     milliseconds per read on a large machine, whatever this process owns."""
     rows = []
     for fd in inodes.values():
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
+        sock = _borrow(fd)
+        if sock is None:
             continue
         try:
             if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
@@ -197,11 +196,23 @@ def _loopback(ip: str) -> bool:
     return ip.startswith("127.") or ip in ("::1", "::ffff:127.0.0.1")
 
 
+def _borrow(fd: int) -> Optional[socket.socket]:
+    """A socket object on a duplicate of `fd` (closing it leaves `fd` open), or None."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except (OSError, ValueError):
+        os.close(dup)
+        return None
+
+
 def _closed(fd: int) -> bool:
     """Whether the connection on `fd` (one of UCX's: looked at, never read) has ended."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    sock = _borrow(fd)
+    if sock is None:
         return True
     try:
         if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):

@@ -1,4 +1,5 @@
 """LinkWatch: a peer's TCP connection that closes is found before the next send."""
+import os
 import socket
 import time
 
@@ -65,3 +66,21 @@ def test_this_process_listeners_bound_to_an_interface_are_published():
     finally:
         server.close()
         wildcard.close()
+
+
+def test_the_table_lists_this_process_tcp_sockets_only_and_leaks_no_descriptor(connected):
+    from horolite.failure.links import _own_sockets, _tcp_table
+    peer, client, far = connected
+    unix = socket.socketpair()  # not TCP: never listed
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        rows = {(local, remote, state) for local, remote, state, _ in _tcp_table(_own_sockets())}
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert (client.getsockname(), peer, 1) in rows  # TCP_ESTABLISHED
+        assert (far.getsockname(), client.getsockname(), 1) in rows
+        assert all(state in (1, 10) for _, _, state in rows)  # established or listening
+        listening = {local for local, _, state in rows if state == 10}
+        assert peer in listening
+    finally:
+        for s in unix:
+            s.close()
