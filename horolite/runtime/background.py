@@ -309,7 +309,11 @@ class Runtime(JobEnd):
         vec = control.encode(flags, self._setting if self.rank == 0 else None,
                              self._waiting, self._invalid)
         self._invalid.clear()
-        self.transport.control_or(vec, control.received)
+        # Nothing of this rank's rides on an idle cycle's exchange (which may wait for a
+        # peer's next cycle for a whole step): it is polled slowly until work arrives.
+        idle = (self.queue.wake if not flags and not self.queue.has_inflight()
+                and not self.executor.quorum.active(now) else None)
+        self.transport.control_or(vec, control.received, idle)
         global_flags, fusion_threshold, self._cycle_seconds, ready_slots, invalid_slots = \
             control.decode()
         self.executor.set_fusion_threshold(fusion_threshold)

@@ -40,6 +40,7 @@ class Waiter:
     """
 
     WATCH_EVERY = 0.02
+    IDLE_PAUSE = 0.002  # the longest sleep of an idle rank's poll
 
     def __init__(self, polite: bool, watch: Optional[Callable] = None, channel=None,
                  links=None):
@@ -60,11 +61,13 @@ class Waiter:
     def _blocking(self) -> bool:
         return not self.polite and (self.links is None or not self.links.remote)
 
-    def wait(self, req: MPI.Request, peer: int = -1) -> None:
+    def wait(self, req: MPI.Request, peer: int = -1, idle=None) -> None:
+        """idle: a wake-up (coordination/tensor_queue.Wake) set when this rank gets work;
+        while it is unset, nothing of this rank's rides on the wait, so it polls slowly."""
         if self._blocking():
             self._block([req])
             return
-        self._poll(req.Test, peer)
+        self._poll(req.Test, peer, idle)
 
     def wait_all(self, reqs: Sequence[MPI.Request], peer: int = -1) -> None:
         if not reqs:
@@ -109,11 +112,14 @@ class Waiter:
                 self.watch(0.0, -1)  # raises: another rank's notice arrived
             pending = [r for r in pending if r != MPI.REQUEST_NULL]
 
-    def _poll(self, test, peer: int) -> None:
+    def _poll(self, test, peer: int, idle=None) -> None:
         # Spin briefly (a neighbour that is running answers in microseconds), then
         # yield, then sleep longer and longer so a descheduled neighbour gets the core,
         # but at most 100 us: the partner that arrives last would otherwise wait for
         # this rank's sleep to end (500 us here made ranks leave ~0.5 ms apart).
+        # An idle rank's exchange can wait for a peer's next cycle for a whole training
+        # step: looking every 100 us then takes thousands of wake-ups from the core the
+        # framework computes on, so it looks every IDLE_PAUSE, and at once if work arrives.
         spins = 0
         pause = 1e-5
         start = next_watch = 0.0
@@ -127,8 +133,11 @@ class Waiter:
             if spins > 64:
                 if spins < 80:
                     time.sleep(0)
+                elif idle is not None and not idle.is_set():
+                    idle.wait(pause)
+                    pause = min(pause * 1.5, self.IDLE_PAUSE)
                 else:
-                    time.sleep(pause)
+                    time.sleep(min(pause, 1e-4))
                     pause = min(pause * 1.5, 1e-4)
                     if self.watch is not None:
                         now = time.monotonic()
@@ -202,11 +211,12 @@ class MPITransport:
             self.waiter.watch.what = what
 
     # ---- control plane (small, host-side) ----
-    def control_or(self, vector: np.ndarray, out: np.ndarray) -> None:
+    def control_or(self, vector: np.ndarray, out: np.ndarray, idle=None) -> None:
+        """idle: see Waiter.wait (given when this rank has nothing in flight)."""
         self.doing(CONTROL_LABEL)
         self.waiter.guard()
         req = self.control_comm.Iallreduce(vector, out, op=MPI.BOR)
-        self.waiter.wait(req)
+        self.waiter.wait(req, idle=idle)
 
     def gather_bytes(self, data: bytes, root: int = 0):
         """Every rank's `data` at `root` (a list in rank order; None elsewhere)."""
