@@ -156,8 +156,9 @@ _EXCHANGE = ("the exchange sits on the step's critical path: with one TensorFlow
 _SKEW = ("a distributed step is backprop up to the enqueue op (74-87 ms, as plain), the "
          "exchange (20-33 ms from the submit to the result: the allreduce 13-30 ms, and the "
          "ranks reach it 8.5-13 ms apart, median) and the optimizer's update after the wait "
-         "op (16-19 ms, as plain): the exchange is the whole difference (probes on the quiet "
-         "VM)")
+         "op (16-19 ms, as plain); the exchange is most of the difference, and TensorFlow's "
+         "own thread does 15-20 ms more CPU work a step than in plain, in its kernels "
+         "(per-thread CPU and perf; probes on the quiet VM)")
 LIMITS = {
     "DistributedGradientTape, tf.function": _EXCHANGE + "; and " + _SKEW,
     "DistributedOptimizer, Keras fit": "a fit step is timed inside fit, without a barrier: "
