@@ -2,7 +2,6 @@
 import pytest
 
 from horolite.coordination.tensor_queue import Wake
-from horolite.transport import mpi as mpi_module
 from horolite.transport.mpi import Waiter
 
 
@@ -20,11 +19,13 @@ class _Idle(Wake):
         return self.is_set()
 
 
-@pytest.fixture
-def sleeps(monkeypatch):
-    seen = []
-    monkeypatch.setattr(mpi_module.time, "sleep", seen.append)
-    return seen
+class _Recorded(Waiter):
+    """A polite Waiter whose sleeps are recorded instead of slept."""
+
+    def __init__(self):
+        super().__init__(polite=True)
+        self.sleeps = []
+        self.sleep = self.sleeps.append
 
 
 def _ready_after(n):
@@ -36,22 +37,23 @@ def _ready_after(n):
     return test
 
 
-def test_a_busy_rank_sleeps_at_most_100_us(sleeps):
-    Waiter(polite=True)._poll(_ready_after(200), -1)
-    assert sleeps and max(sleeps) <= 1e-4
+def test_a_busy_rank_sleeps_at_most_100_us():
+    waiter = _Recorded()
+    waiter._poll(_ready_after(200), -1)
+    assert waiter.sleeps and max(waiter.sleeps) <= 1e-4
 
 
-def test_an_idle_rank_sleeps_on_its_wake_up_and_longer(sleeps):
-    idle = _Idle()
-    Waiter(polite=True)._poll(_ready_after(200), -1, idle)
-    assert all(s == 0 for s in sleeps)  # only the yields before the sleeps
+def test_an_idle_rank_sleeps_on_its_wake_up_and_longer():
+    idle, waiter = _Idle(), _Recorded()
+    waiter._poll(_ready_after(200), -1, idle)
+    assert all(s == 0 for s in waiter.sleeps)  # only the yields before the sleeps
     assert idle.waits and max(idle.waits) == pytest.approx(Waiter.IDLE_PAUSE)
     assert idle.waits == sorted(idle.waits)
 
 
-def test_work_arriving_during_an_idle_wait_brings_back_short_sleeps(sleeps):
-    idle = _Idle(until=10)
-    Waiter(polite=True)._poll(_ready_after(300), -1, idle)
+def test_work_arriving_during_an_idle_wait_brings_back_short_sleeps():
+    idle, waiter = _Idle(until=10), _Recorded()
+    waiter._poll(_ready_after(300), -1, idle)
     assert len(idle.waits) == 10
-    later = [s for s in sleeps if s]
+    later = [s for s in waiter.sleeps if s]
     assert later and max(later) <= 1e-4
