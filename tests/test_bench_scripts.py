@@ -171,7 +171,7 @@ def test_step_allreduce(tmp_path):
     # device variants run only with CuPy and a GPU; otherwise each says why not
     assert all("skipped" in r or r["block_medians_s"] for r in res["device"].values())
     tf_times = res["tf"]["block_medians_s"]
-    assert len(tf_times) == 7 and all(len(v) == doc["blocks"] and min(v) > 0
+    assert len(tf_times) == 8 and all(len(v) == doc["blocks"] and min(v) > 0
                                       for v in tf_times.values())
     names = {t["name"] for t in doc["targets"]}
     assert any(n.startswith("ResNet-50 step, grouped: time / one tensor") for n in names)
