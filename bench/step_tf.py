@@ -5,9 +5,9 @@ TensorFlow thread per process), in interleaved blocks of:
 - plain TensorFlow (no exchange: what the ranks reach as independent processes),
   a GradientTape step eagerly and in tf.function, and Keras fit;
 - plain TensorFlow in tf.function with every gradient computed before the first
-  update, as any exchange of the step's gradients requires (in a plain step
-  TensorFlow updates each variable as soon as its gradient is ready, while the
-  gradient is still in cache);
+  update, as exchanging the step's gradients as one group (the default) requires
+  (in a plain step TensorFlow updates each variable as soon as its gradient is
+  ready, while the gradient is still in cache);
 - horolite: DistributedGradientTape eagerly and in tf.function, and Keras fit with
   horolite.keras.DistributedOptimizer;
 - the NumPy step of the same gradients (one grouped_allreduce), for what the
@@ -137,8 +137,8 @@ def _ratio(t, a, b):
 def _bound(t):
     """What this machine allows a step that exchanges its gradients once: plain / (a
     plain step that computes every gradient before the first update + the NumPy step
-    of the same gradients), median over blocks; with the two parts in ms. None for a
-    run without the synced variant."""
+    of the same gradients), median over blocks; then those three steps' medians in ms.
+    None for a run without the synced variant."""
     if SYNCED not in t:
         return None
     plain, synced, numpy_ = (np.array(t[k]) for k in ("plain, tf.function", SYNCED,
