@@ -23,6 +23,7 @@ class RankStatus:
     code: Optional[int] = None
     signal: int = 0
     stopped: bool = False  # ended because the job was being stopped
+    ended: float = 0.0  # wall-clock time the wrapper saw the command end (0: not reported)
 
 
 @dataclasses.dataclass

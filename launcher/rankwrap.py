@@ -165,6 +165,9 @@ def main(argv=None):
     for fd in streams:
         selector.register(fd, selectors.EVENT_READ)
     exited_at = None
+    # When the command ended, by this host's clock: its pipes closing is the first sign.
+    # The launcher orders failures on different hosts by it.
+    ended = None
     while streams:
         for key, _ in selector.select(timeout=0.2):
             data = os.read(key.fd, 65536)
@@ -173,6 +176,8 @@ def main(argv=None):
             else:
                 selector.unregister(key.fd)
                 streams.pop(key.fd).close()
+                if not streams and ended is None:
+                    ended = time.time()
         now = time.monotonic()
         if state["kill_at"] is not None and now >= state["kill_at"]:
             state["kill_at"] = None
@@ -184,6 +189,7 @@ def main(argv=None):
             on_signal(signal.SIGTERM, None)  # our MPI daemon is gone: end the rank
         if exited_at is None and child.poll() is not None:
             exited_at = now
+            ended = time.time() if ended is None else ended
         if exited_at is not None and now - exited_at > 1.0:
             break  # leftover processes hold the pipes open; they are killed below
     for stream in streams.values():
@@ -196,7 +202,8 @@ def main(argv=None):
     signum = -returncode if returncode < 0 else 0
     code = 128 + signum if signum else returncode
     _marker("exit", rank=rank, size=size, host=host, code=code, signal=signum,
-            stopped=int(state["signal"] is not None))
+            stopped=int(state["signal"] is not None),
+            ended=f"{time.time() if ended is None else ended:.6f}")
     return code
 
 

@@ -60,6 +60,7 @@ class Supervisor(JobOutcome):
         # The runtime's own reports: (kind, rank, text, exit code) of the first failure it
         # announced, and which rank each stopped rank was stopped by.
         self.cause: Optional[tuple] = None
+        self.cause_at = 0.0  # when the rank reported it, for a signal from outside
         self.stopped_by: Dict[int, int] = {}
         self.shm = ShmLeftovers()
         self._stopping = False  # the launcher has signalled mpirun
@@ -140,8 +141,7 @@ class Supervisor(JobOutcome):
                     stop_at = now + self.fail_grace
             elif kind in ("start", "exit"):
                 self._record(kind, fields)
-                if kind == "exit" and self.first_failure is None and self._failed(fields):
-                    self.first_failure = self.ranks[int(fields["rank"])]
+                if kind == "exit" and self._first_failure(fields) == "first":
                     if self.num_proc > 1 and self.cause is None:
                         self._log(f"{describe_exit(self.first_failure)}; stopping the other ranks")
                     if stop_at is None:
@@ -195,8 +195,8 @@ class Supervisor(JobOutcome):
                 self._runtime_report(kind, fields)
             elif kind in ("start", "exit"):
                 self._record(kind, fields)
-                if kind == "exit" and self.first_failure is None and self._failed(fields):
-                    self.first_failure = self.ranks[int(fields["rank"])]
+                if kind == "exit":
+                    self._first_failure(fields)
             elif kind != "signal" and self.on_marker is not None:
                 self.on_marker(kind, fields)
         self._kill_local_leftovers()
@@ -233,6 +233,10 @@ class Supervisor(JobOutcome):
         if self.cause is None and self.first_failure is None and not self._stopping and \
                 self.interrupted is None and not self.timed_out:
             self.cause = (kind, rank, fields.get("text", ""), int(fields.get("code", 1) or 1))
+            try:
+                self.cause_at = float(fields.get("at", 0))
+            except ValueError:
+                self.cause_at = 0.0
             self._log(f"{self.cause[2]}; stopping the other ranks" if self.num_proc > 1
                       else self.cause[2])
             return True
@@ -256,6 +260,33 @@ class Supervisor(JobOutcome):
             fields.get("stopped") != "1" and self.interrupted is None and not self.timed_out \
             and int(fields.get("rank", -1)) not in self.stopped_by  # a consequence, reported
 
+    def _first_failure(self, fields) -> Optional[str]:
+        """Whether a rank's exit report makes it the job's first failure: "first" when it is
+        the first failed rank heard of, "earlier" when it ended before the one taken so far.
+
+        Reports can arrive out of order (Open MPI relays each host's output on its own), and
+        a rank killed outright makes its peers abort on the broken connection, or Open MPI
+        stop them with SIGTERM; the wrappers' end times, and the time a rank reports its
+        signal at, tell which came first."""
+        if not self._failed(fields):
+            return None
+        status = self.ranks.get(int(fields["rank"]))
+        if status is None:
+            return None
+        if self.cause is not None and self.cause_at and status.ended and \
+                status.ended < self.cause_at and status.rank != self.cause[1]:
+            # The reported cause was a signal from outside, sent after this rank ended.
+            self.cause, self.first_failure = None, status
+            return "earlier"
+        if self.first_failure is None:
+            self.first_failure = status
+            return "first"
+        taken = self.first_failure
+        if status.ended and taken.ended and status.ended < taken.ended and not taken.stopped:
+            self.first_failure = status
+            return "earlier"
+        return None
+
     def _record(self, kind, fields):
         try:
             status = self.ranks[int(fields["rank"])]
@@ -270,6 +301,10 @@ class Supervisor(JobOutcome):
             status.code = int(fields.get("code", 0))
             status.signal = int(fields.get("signal", 0))
             status.stopped = fields.get("stopped") == "1"
+            try:
+                status.ended = float(fields.get("ended", 0))
+            except ValueError:
+                status.ended = 0.0
 
     def _send(self, signum):
         self._stopping = True

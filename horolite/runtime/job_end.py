@@ -10,6 +10,7 @@ At an agreed shutdown, every rank learns which rank left and with what exit code
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import numpy as np
@@ -53,7 +54,10 @@ class JobEnd:
             return
         text = (f"{self.failures.where(self.rank)} was killed by signal {signum} "
                 f"({signal_name(signum)})")
-        launcher_marker("cause", rank=self.rank, code=128 + signum, text=text)
+        # `at`: a signal from outside may itself follow another rank's death (Open MPI
+        # stops the job with SIGTERM); horolite-run compares it with that rank's end.
+        launcher_marker("cause", rank=self.rank, code=128 + signum, at=f"{time.time():.6f}",
+                        text=text)
         # A launcher that stops the job after a rank died (Open MPI's: SIGTERM to the
         # others) makes this signal a consequence: name the peer that went first.
         gone = self.heartbeat.gone() if self.heartbeat is not None else {}

@@ -1,0 +1,40 @@
+"""The rank wrapper run as mpirun runs it: its exit report says when the command ended,
+which the launcher orders failures on different hosts by."""
+import os
+import subprocess
+import sys
+import time
+
+from launcher.markers import marker_line, parse_marker
+
+WRAPPER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))), "launcher", "rankwrap.py")
+
+
+def run_wrapped(script):
+    started = time.time()
+    r = subprocess.run([sys.executable, WRAPPER, "--", "sh", "-c", script],
+                       capture_output=True, timeout=60, env=dict(os.environ, PMI_RANK="1",
+                                                                 PMI_SIZE="2"))
+    finished = time.time()
+    exits = [parse_marker(marker_line(line + b"\n").decode())[1]
+             for line in r.stderr.splitlines() if marker_line(line + b"\n") and b" exit " in line]
+    assert len(exits) == 1, r.stderr
+    return r, exits[0], started, finished
+
+
+def test_a_killed_command_is_reported_with_its_signal_and_the_time_it_died():
+    r, fields, started, finished = run_wrapped("sleep 0.5; kill -9 $$")
+    assert r.returncode == 128 + 9
+    assert (fields["rank"], fields["code"], fields["signal"], fields["stopped"]) == \
+        ("1", "137", "9", "0")
+    assert started + 0.5 <= float(fields["ended"]) <= finished
+
+
+def test_the_end_time_is_the_commands_not_the_wrappers_when_leftovers_hold_its_pipes():
+    # The background sleep keeps the pipes open; the wrapper waits a second more for it,
+    # then kills it, but the command itself ended at once.
+    r, fields, started, finished = run_wrapped("sleep 30 & exit 3")
+    assert r.returncode == 3 and fields["code"] == "3"
+    ended = float(fields["ended"])
+    assert started <= ended and finished - ended >= 0.9, (started, ended, finished)
