@@ -74,8 +74,12 @@ def test_the_table_lists_this_process_tcp_sockets_only_and_leaks_no_descriptor(c
     unix = socket.socketpair()  # not TCP: never listed
     try:
         before = len(os.listdir("/proc/self/fd"))
-        rows = {(local, remote, state) for local, remote, state, _ in _tcp_table(_own_sockets())}
+        own = _own_sockets()
+        assert all(s.fileno() in own.values() for s in unix)  # seen, then left out below
+        table = _tcp_table(own)
+        rows = {(local, remote, state) for local, remote, state, _ in table}
         assert len(os.listdir("/proc/self/fd")) == before
+        assert not {s.fileno() for s in unix} & {fd for _, _, _, fd in table}
         assert (client.getsockname(), peer, 1) in rows  # TCP_ESTABLISHED
         assert (far.getsockname(), client.getsockname(), 1) in rows
         assert all(state in (1, 10) for _, _, state in rows)  # established or listening
