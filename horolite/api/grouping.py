@@ -16,7 +16,7 @@ import numpy as np
 
 from ..core import kernels
 from ..errors import InvalidCollectiveError
-from ..execution.executor import OutputPool
+from ..execution.output_pool import OutputPool
 from ..core.handle import Handle
 from ..core.messages import Kind
 from ..core.ops import REDUCIBLE_DTYPES, dtype_name
@@ -70,7 +70,7 @@ def pack_host_group(arrays: list, base: str, pool=None, read_in_place: bool = Fa
 
     The common case of a grouped step (hundreds of small gradients) takes one
     pass here: per-array checks cost more than copying 4 KiB. `pool`: the runtime's
-    output pool (execution.OutputPool), whose buffer the runtime then reduces in
+    output pool (execution/output_pool.py), whose buffer the runtime then reduces in
     place and hands back as the result, for groups of IN_PLACE_MIN_BYTES or more;
     smaller ones go into a pool of this module's. read_in_place (the runtime reads a
     fused batch's members where they lie: through shared memory): a group from `pool`

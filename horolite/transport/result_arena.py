@@ -7,7 +7,7 @@ result array itself lies in memory every rank has mapped, the rank that
 reduces a segment writes it straight into every rank's result instead
 (native/shm_ring.c, "direct"). This module is that memory: one memfd per rank,
 mapped by the others through /proc/<pid>/fd, carved into result arrays by the
-output pool (execution.OutputPool), which keeps and reuses them.
+output pool (execution/output_pool.py), which keeps and reuses them.
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ def test_different_dtype_op_scale_or_kind_break_batches():
 
 
 def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
-    from horolite.execution.executor import OutputPool
+    from horolite.execution.output_pool import OutputPool
     pool = OutputPool()
     pool.MAX_ARRAYS = 2  # (the default keeps more: enough for a caller holding two steps' results)
     f32 = np.dtype(np.float32)
@@ -72,7 +72,7 @@ def test_output_pool_reuses_only_dropped_arrays_and_stays_bounded():
 
 def test_output_pool_reuses_while_the_caller_holds_two_steps_results():
     import collections
-    from horolite.execution.executor import OutputPool
+    from horolite.execution.output_pool import OutputPool
     pool = OutputPool()
     f32 = np.dtype(np.float32)
     held = collections.deque(maxlen=2)  # the last two steps' results, as views
@@ -127,7 +127,7 @@ def test_every_field_of_the_fusion_key_breaks_a_batch():
 def test_output_pool_forgets_free_arrays_of_old_sizes_when_full():
     # A job whose results change size (another model, evaluation) gets pooled arrays again:
     # free arrays are forgotten, least recently used first, only when that makes room.
-    from horolite.execution.executor import OutputPool
+    from horolite.execution.output_pool import OutputPool
     pool = OutputPool()
     pool.MAX_BYTES = 4 << 20
     f32 = np.dtype(np.float32)
