@@ -13,12 +13,11 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from mpi4py import MPI
 
 from ..core import config as config_mod
-from ..coordination import wire
 from ..coordination.autotune import Autotuner, parse_start
 from ..coordination.control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
 from ..failure.collective_watch import CollectiveWatch
@@ -31,6 +30,7 @@ from .topology import Topology
 from ..execution.executor import Executor
 from ..core.messages import JOIN_NAME, Kind
 from ..coordination.negotiation import Coordinator
+from ..coordination.negotiation_round import negotiate
 from ..coordination.response_cache import HIT, INVALID, MISS, ResponseCache
 from ..coordination.stall import StallInspector
 from ..coordination.tensor_queue import Entry, TensorQueue
@@ -358,7 +358,9 @@ class Runtime(JobEnd):
         agreed_stop = None
         # Every rank takes this branch or none: it depends only on reduced values.
         if global_flags & (HAS_UNSENT | JOINED | COORDINATOR) or invalid_slots:
-            negotiated, agreed_stop = self._negotiate(stop)
+            mine, self._unsent = [e.request for e in self._unsent], []
+            negotiated, agreed_stop = negotiate(self.transport, self.coordinator, self.rank,
+                                                mine, stop)
             done = time.monotonic()
             for resp in negotiated:
                 entry = self.queue.get(resp.name) if resp.kind != Kind.JOIN else self._join_entry()
@@ -395,26 +397,3 @@ class Runtime(JobEnd):
         entry = self._waiting.pop(slot, None)
         if entry is not None:
             self._unsent.append(entry)
-
-    def _negotiate(self, stop: Optional[Tuple[str, str]]):
-        """Gather unsent requests at rank 0; broadcast its ordered responses, and a
-        (reason, message) when every rank must stop (a stall, a malformed message)."""
-        mine = [e.request for e in self._unsent]
-        self._unsent = []
-        gathered = self.transport.gather_bytes(wire.encode_requests(mine) if self.rank else b"")
-        payload = b""
-        if self.rank == 0:
-            now = time.monotonic()
-            try:
-                decoded = [mine] + [wire.decode_requests(data, q)
-                                    for q, data in enumerate(gathered) if q]
-            except ControlMessageError as e:
-                _log.error("rank 0: %s; stopping the job", e)
-                decoded, stop = [], ("control", str(e))
-            for rank, requests in enumerate(decoded):
-                self.coordinator.add(rank, requests, now)
-            responses = self.coordinator.responses() if decoded else []
-            self.transport.bcast_bytes(wire.encode_responses(responses, stop))
-            return responses, stop
-        return wire.decode_responses(self.transport.bcast_bytes(payload), 0)
-
