@@ -39,6 +39,14 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _RUNTIME_MARKERS = ("cause", "stopped", "stall")
 
 
+def _seconds(fields, name: str) -> float:
+    """A time field of a marker; 0.0 when it is absent or unreadable (an older wrapper)."""
+    try:
+        return float(fields.get(name, 0))
+    except ValueError:
+        return 0.0
+
+
 class Supervisor(JobOutcome):
     def __init__(self, argv: Sequence[str], num_proc: int, rank_hosts: Sequence[str], *,
                  start_timeout: float, fail_grace: float = 2.0, kill_grace: float = 3.0,
@@ -233,10 +241,7 @@ class Supervisor(JobOutcome):
         if self.cause is None and self.first_failure is None and not self._stopping and \
                 self.interrupted is None and not self.timed_out:
             self.cause = (kind, rank, fields.get("text", ""), int(fields.get("code", 1) or 1))
-            try:
-                self.cause_at = float(fields.get("at", 0))
-            except ValueError:
-                self.cause_at = 0.0
+            self.cause_at = _seconds(fields, "at")
             self._log(f"{self.cause[2]}; stopping the other ranks" if self.num_proc > 1
                       else self.cause[2])
             return True
@@ -282,7 +287,7 @@ class Supervisor(JobOutcome):
             self.first_failure = status
             return "first"
         taken = self.first_failure
-        if status.ended and taken.ended and status.ended < taken.ended and not taken.stopped:
+        if status.ended and taken.ended and status.ended < taken.ended:
             self.first_failure = status
             return "earlier"
         return None
@@ -301,10 +306,7 @@ class Supervisor(JobOutcome):
             status.code = int(fields.get("code", 0))
             status.signal = int(fields.get("signal", 0))
             status.stopped = fields.get("stopped") == "1"
-            try:
-                status.ended = float(fields.get("ended", 0))
-            except ValueError:
-                status.ended = 0.0
+            status.ended = _seconds(fields, "ended")
 
     def _send(self, signum):
         self._stopping = True

@@ -22,8 +22,8 @@ class OutputPool:
     holds a reference, so an array still in use is never reused).
     With a result arena (transport/result_arena.py) the arrays it keeps come
     from there, so the shared-memory allreduce can write them directly; else
-    they are page-aligned private arrays. (collectives.py keeps a second pool,
-    for the buffers grouped allreduces pack their members into.)
+    they are page-aligned private arrays. (api/grouping.py keeps a second pool,
+    for the buffers of grouped allreduces too small to be packed into this one.)
     """
     MIN_BYTES = 64 << 10
     # A caller that keeps the last two steps' results (a framework applying them while

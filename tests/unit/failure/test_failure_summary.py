@@ -1,4 +1,6 @@
 """horolite-run's summary from the ranks' own failure reports (launcher/outcome.py)."""
+import pytest
+
 from horolite.launcher.markers import marker_line, parse_marker
 from horolite.launcher.supervise import Supervisor
 
@@ -75,18 +77,28 @@ def test_a_sigterm_report_after_another_rank_failed_is_not_the_cause():
     assert "SIGTERM" not in result.message
 
 
-def test_a_killed_rank_is_the_first_failure_though_a_peers_abort_is_heard_of_first():
+_STARTS = ["##horolite-run## start rank=1 host=b pid=5 pgid=6",
+           "##horolite-run## start rank=2 host=c pid=7 pgid=8"]
+_KILLED = "##horolite-run## exit rank=1 host=b code=137 signal=9 stopped=0 ended=100.001"
+_ABORTED = "##horolite-run## exit rank=2 host=c code=14 signal=0 stopped=0 ended=100.004"
+
+
+@pytest.mark.parametrize("heard", [
     # Open MPI relays each host's output on its own: the report of a peer that aborted on
     # the broken connection can come before the one of the rank that was killed.
+    [_ABORTED, _KILLED,
+     "##horolite-run## exit rank=0 host=a code=143 signal=15 stopped=1 ended=100.3"],
+    # Open MPI then ends the job with SIGTERM: that signal's report can come first too.
+    ["[0]<stderr>:##horolite-run## cause rank=0 code=143 at=100.050 text=rank 0 "
+     "(host a) was killed by signal 15 (SIGTERM)",
+     "##horolite-run## exit rank=0 host=a code=143 signal=15 stopped=1 ended=100.06",
+     _KILLED, _ABORTED],
+], ids=["a peer's abort heard first", "Open MPI's SIGTERM heard first"])
+def test_a_killed_rank_is_the_first_failure_whatever_report_is_heard_first(heard):
     sup = supervisor(3)
-    feed(sup, ["##horolite-run## start rank=1 host=b pid=5 pgid=6",
-               "##horolite-run## start rank=2 host=c pid=7 pgid=8",
-               "##horolite-run## exit rank=2 host=c code=14 signal=0 stopped=0 ended=100.004",
-               "##horolite-run## exit rank=1 host=b code=137 signal=9 stopped=0 ended=100.001",
-               "##horolite-run## exit rank=0 host=a code=143 signal=15 stopped=1 ended=100.3"],
-         exits_as_the_main_loop=True)
+    feed(sup, _STARTS + heard, exits_as_the_main_loop=True)
     result = sup._result(14)
-    assert result.exit_code == 137
+    assert result.exit_code == 137, result.message
     assert result.message == ("job failed: rank 1 (host b, pid 6) was killed by signal 9 "
                               "(SIGKILL); then rank 2 (host c, pid 8) exited with code 14; "
                               "ranks stopped as a result: 0")
@@ -98,23 +110,6 @@ def test_without_end_times_the_first_report_heard_is_the_first_failure():
                "##horolite-run## exit rank=0 host=a code=137 signal=9 stopped=0 ended=1.0"],
          exits_as_the_main_loop=True)
     assert sup._result(3).exit_code == 3
-
-
-def test_a_sigterm_open_mpi_sent_after_a_rank_was_killed_is_not_the_cause():
-    # Open MPI ends the job with SIGTERM when a peer aborts on the killed rank's connection;
-    # the SIGTERM's report can come before the killed rank's exit report.
-    sup = supervisor(3)
-    feed(sup, ["[0]<stderr>:##horolite-run## cause rank=0 code=143 at=100.050 text=rank 0 "
-               "(host a) was killed by signal 15 (SIGTERM)",
-               "##horolite-run## exit rank=0 host=a code=143 signal=15 stopped=1 ended=100.06",
-               "##horolite-run## exit rank=1 host=b code=137 signal=9 stopped=0 ended=100.001",
-               "##horolite-run## exit rank=2 host=c code=14 signal=0 stopped=0 ended=100.004"],
-         exits_as_the_main_loop=True)
-    result = sup._result(14)
-    assert result.exit_code == 137, result.message
-    assert result.message == ("job failed: rank 1 (host b, pid 0) was killed by signal 9 "
-                              "(SIGKILL); then rank 2 (host c, pid 0) exited with code 14; "
-                              "ranks stopped as a result: 0")
 
 
 def test_a_sigterm_from_outside_before_any_rank_ended_stays_the_cause():

@@ -17,8 +17,9 @@ def run_wrapped(script):
                        capture_output=True, timeout=60, env=dict(os.environ, PMI_RANK="1",
                                                                  PMI_SIZE="2"))
     finished = time.time()
-    exits = [parse_marker(marker_line(line + b"\n").decode())[1]
-             for line in r.stderr.splitlines() if marker_line(line + b"\n") and b" exit " in line]
+    markers = [marker_line(line + b"\n") for line in r.stderr.splitlines()]
+    exits = [fields for kind, fields in (parse_marker(m.decode()) for m in markers if m)
+             if kind == "exit"]
     assert len(exits) == 1, r.stderr
     return r, exits[0], started, finished
 
