@@ -36,6 +36,7 @@ from horolite.elastic import protocol
 
 from . import elastic_flags, mpi, sources
 from . import hosts as hostlib
+from .config import check_command, config_from_args, wrapper_argv
 from .host_pool import DiscoveryScript, FixedHosts, HostPool, assign
 from .rank_source import SSH, Ranks
 from .supervise import Supervisor, describe_exit
@@ -159,7 +160,6 @@ def _hosts_text(hosts) -> str:
 
 class _Driver:
     def __init__(self, parsed, environ):
-        from .main import config_from_args  # (main imports this module lazily)
         found = sources.discover(parsed, environ)
         pool_slots = hostlib.total_slots(found.hosts) if found else None
         self.cfg = elastic_flags.elastic_config(parsed, environ, pool_slots)
@@ -218,7 +218,6 @@ class _Driver:
             env[protocol.COMMIT_DIR] = root
         config = dataclasses.replace(self.base, hosts=tuple(hosts),
                                      num_proc=hostlib.total_slots(hosts), env=tuple(env.items()))
-        from .main import wrapper_argv
         install = mpi.find_mpi()
         argv = mpi.build_mpirun_command(config, install.implementation, install.path,
                                         as_root=(os.geteuid() == 0), wrapper=wrapper_argv(config))
@@ -295,8 +294,7 @@ def run_elastic(parsed, environ=None) -> int:
     environ = os.environ if environ is None else environ
     try:
         driver = _Driver(parsed, environ)
-        from .main import _check_command
-        _check_command(driver.base)
+        check_command(driver.base)
         mpi.find_mpi()
     except (ValueError, RuntimeError, mpi.NoMPIError) as e:
         print(f"horolite-run: error: {e}", file=sys.stderr, flush=True)
