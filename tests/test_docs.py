@@ -30,3 +30,10 @@ def test_the_readme_links_to_pages_that_exist():
     assert links
     missing = [link for link in links if not os.path.exists(os.path.join(ROOT, link))]
     assert missing == []
+
+
+def test_the_testing_page_names_every_package_a_test_needs():
+    import needed_tools
+    page = open(os.path.join(ROOT, "docs", "testing.md"), encoding="utf-8").read()
+    unnamed = sorted({p for p in needed_tools.PACKAGES.values() if f"`{p}`" not in page})
+    assert unnamed == []

@@ -4,6 +4,10 @@ import os
 import subprocess
 import time
 
+import pytest
+
+import needed_tools
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBE = os.path.join(REPO, "tests", "launcher_rank", "probe.py")
 HANG_SSH = os.path.join(REPO, "tests", "launcher_rank", "hang_ssh.sh")
@@ -21,6 +25,8 @@ def marks(outdir):
 
 def processes_with(token):
     """Lines of the process table whose command line contains ``token``."""
+    if needed_tools.missing("ps"):
+        pytest.skip(needed_tools.missing("ps"))
     out = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines()[1:] if token in line and "ps -eo" not in line
             and " Z " not in line and not line.split()[2].startswith("Z")]

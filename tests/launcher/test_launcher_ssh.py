@@ -12,9 +12,10 @@ import time
 
 import pytest
 
+import needed_tools
 from launcher_util import wait_until_gone
 
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+SSHD = needed_tools.find("sshd") or "/usr/sbin/sshd"
 MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
 
 
@@ -23,10 +24,10 @@ def _is_mpich():
     return "HYDRA" in out or "MPICH" in out
 
 
+_TOOLS = needed_tools.missing("sshd", "ssh", "ssh-keygen")
 pytestmark = pytest.mark.skipif(
-    MPIRUN is None or not os.path.exists(SSHD) or shutil.which("ssh") is None
-    or os.geteuid() != 0 or not _is_mpich(),
-    reason="needs root, sshd, ssh and the MPICH wheel (the Open MPI form is unit-tested)")
+    _TOOLS is not None or MPIRUN is None or os.geteuid() != 0 or not _is_mpich(),
+    reason=_TOOLS or "needs root and the MPICH wheel (the Open MPI form is unit-tested)")
 
 HOSTS = ("127.0.0.2", "127.0.0.3")
 

@@ -35,11 +35,14 @@ import time
 import uuid
 from typing import Dict, List, Optional, Sequence
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+import needed_tools  # noqa: E402
+
 __all__ = ["Bed", "BedUnavailable", "unavailable_reason"]
 
 SUBNET = "198.18.0"
 NAMES = ("hl-a", "hl-b", "hl-c", "hl-d")
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+SSHD = needed_tools.find("sshd") or "/usr/sbin/sshd"
 
 
 class BedUnavailable(RuntimeError):
@@ -51,12 +54,7 @@ def absent_reason() -> Optional[str]:
     the tests skip with it. Any other failure to build the bed fails them."""
     if os.geteuid() != 0:
         return "simulated hosts need root (network, PID and mount namespaces)"
-    for tool in ("unshare", "nsenter", "ip", "ssh", "ssh-keygen"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (apt-get install iproute2 openssh-server util-linux)"
-    if not os.path.exists(SSHD):
-        return "sshd is not installed (apt-get install openssh-server)"
-    return None
+    return needed_tools.missing("unshare", "nsenter", "ip", "ssh", "ssh-keygen", "sshd")
 
 
 def unavailable_reason() -> Optional[str]:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import needed_tools
 from jobs import ROOT, launch, stopped_at_exit
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "launcher"))
@@ -86,7 +87,7 @@ def test_ctrl_c_stops_every_rank_on_every_host(bed, no_leftovers, tmp_path):
     assert "stopped by SIGINT" in err
 
 
-def test_unreachable_host_and_host_without_sshd_fail_at_start(bed, tmp_path):
+def test_unreachable_host_fails_at_start(bed, tmp_path):
     with open(os.path.join(bed.dir, "hosts"), "a") as f:
         f.write("198.18.0.99 hl-gone\n")  # an address no host has
     r = launch(bed, "hl-a:1,hl-gone:1", ["python", PROBE, str(tmp_path)], timeout=60)
@@ -94,6 +95,11 @@ def test_unreachable_host_and_host_without_sshd_fail_at_start(bed, tmp_path):
     assert re.search(r"cannot reach 1 of 1 remote host\(s\) with ssh \(hl-gone: ssh: connect to "
                      r"host hl-gone port 22: (No route to host|Connection timed out)", r.stderr), r.stderr
     assert not marks(tmp_path)  # nothing started
+
+
+def test_host_that_refuses_ssh_fails_at_start(bed, tmp_path):
+    if needed_tools.missing("iptables"):  # the host refuses ssh by a firewall rule
+        pytest.skip(needed_tools.missing("iptables"))
     bed.on("hl-c", ["iptables", "-I", "INPUT", "-p", "tcp", "--dport", "22", "-j", "REJECT",
                     "--reject-with", "tcp-reset"])
     try:

@@ -10,11 +10,12 @@ each through its slurmd; the ports are free ones picked at start. ``SLURM_CONF``
 daemons by pid and waits for them; it is safe to call twice.
 """
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import time
+
+import needed_tools
 
 class SlurmUnavailable(Exception):
     """Why the cluster did not start: the tests skip when absent_reason() says why
@@ -23,9 +24,9 @@ class SlurmUnavailable(Exception):
 
 def absent_reason():
     """Why no cluster can run on this machine at all (the tests then skip), or None."""
-    missing = [n for n in ("munged", "slurmctld", "slurmd", "sbatch", "srun") if not _find(n)]
+    missing = needed_tools.missing("munged", "slurmctld", "slurmd", "sbatch", "srun", "ps")
     if missing:
-        return f"not installed: {', '.join(missing)} (apt-get install slurm-wlm munge)"
+        return missing
     if os.geteuid() != 0:
         return "slurmd must run as root to start jobs (not root here)"
     return None
@@ -54,7 +55,7 @@ def _own_session_and_parent_death():  # in each daemon, between fork and exec
 
 
 def _find(name):
-    return shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/usr/bin:/sbin")
+    return needed_tools.find(name)
 
 
 SLURM_CONF = """\
