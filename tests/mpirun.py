@@ -24,40 +24,83 @@ RANK_COUNTS = (1, 2, 3, 4)
 RESULTS = {"jobs": 0, "passed": 0, "skipped": 0, "reasons": {}}
 
 
-def _has_gpu() -> bool:
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+def gpu_count(devices, visible=None) -> int:
+    """GPUs a job's ranks can see: `devices` lists the machine's GPUs (`nvidia-smi -L` lines,
+    or /dev/nvidiaN names where there is no nvidia-smi), `visible` is CUDA_VISIBLE_DEVICES.
+    Pure: the expected skips are judged from it, and tested with fake lists."""
+    found = [d for d in devices if re.match(r"(GPU \d+:|(/dev/)?nvidia\d+$)", d.strip())]
+    if visible is None:
+        return len(found)
+    wanted = [v for v in visible.replace(" ", "").split(",") if v]
+    count = 0
+    for v in wanted:  # CUDA stops at the first entry it cannot use
+        if not (v.isdigit() and int(v) < len(found)) and not v.startswith(("GPU-", "MIG-")):
+            break
+        count += 1
+    return count
+
+
+class Machine:
+    """What this machine has, for judging which rank-side skips are expected on it."""
+
+    def __init__(self, gpus: int, tensorflow: bool, cupy: bool):
+        self.gpus, self.tensorflow, self.cupy = gpus, tensorflow, cupy
+
+    def __repr__(self) -> str:
+        return f"Machine(gpus={self.gpus}, tensorflow={self.tensorflow}, cupy={self.cupy})"
+
+
+def this_machine() -> Machine:
+    devices = []
+    if shutil.which("nvidia-smi"):
+        proc = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+        devices = proc.stdout.splitlines() if proc.returncode == 0 else []
+    if not devices:
+        devices = glob.glob("/dev/nvidia[0-9]*")
+    return Machine(gpu_count(devices, os.environ.get("CUDA_VISIBLE_DEVICES")),
+                   importlib.util.find_spec("tensorflow") is not None,
+                   importlib.util.find_spec("cupy") is not None)
 
 
 def _native_off(env) -> bool:
     return env.get("HOROLITE_TF_NATIVE_OPS", "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def _shared_gpu_nccl(env) -> bool:
+    return env.get("HOROLITE_TEST_NCCL_SHARED_GPU", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 # The rank-side skips a job may have, each with when it is expected: (reason pattern,
-# expected(np_, env)). Any other skip fails the job: a skip that is not expected on this
-# machine (a hierarchical case on a layout where it should run, CuPy missing where it is
+# expected(np_, env, machine)). Any other skip fails the job: a skip that is not expected on
+# this machine (a hierarchical case on a layout where it should run, CuPy missing where it is
 # installed, a GPU case on a machine with a GPU) hides a test that did not run.
 EXPECTED_SKIPS = [
     (r"needs at least two ranks|a mismatch needs (at least )?two ranks|one rank has nobody"
      r"|one rank cannot disagree|needs a late rank|needs a joined rank|needs a rank outside a set"
      r"|needs a straggler",
-     lambda np_, env: np_ < 2),
-    (r"a subset of two ranks needs a third outside it", lambda np_, env: np_ < 3),
-    (r"^needs 4 ranks$", lambda np_, env: np_ < 4),
-    (r"^not a member$", lambda np_, env: True),  # process sets: this rank is outside the set
-    (r"^run at np \(.*\) only \(suite time\)$", lambda np_, env: True),
+     lambda np_, env, m: np_ < 2),
+    (r"a subset of two ranks needs a third outside it", lambda np_, env, m: np_ < 3),
+    (r"^needs 4 ranks$", lambda np_, env, m: np_ < 4),
+    (r"^not a member$", lambda np_, env, m: True),  # process sets: this rank is outside the set
+    (r"^run at np \(.*\) only \(suite time\)$", lambda np_, env, m: True),
     (r"no NCCL transport here|no CUDA device|needs two visible GPUs|TensorFlow sees no GPU"
      r"|not every rank can use NCCL|NCCL does not load|cupy not installed",
-     lambda np_, env: not _has_gpu()),
-    (r"cupy not importable here", lambda np_, env: importlib.util.find_spec("cupy") is None),
-    (r"^TensorFlow is not installed here", lambda np_, env: importlib.util.find_spec("tensorflow") is None),
-    (r"HOROLITE_TF_NATIVE_OPS=0 in this run", lambda np_, env: _native_off(env)),
+     lambda np_, env, m: m.gpus == 0),
+    (r"needs two visible GPUs", lambda np_, env, m: m.gpus < 2),
+    # More ranks than GPUs, as users run them: NCCL is off (the job stages), so the cases
+    # that need NCCL skip with its reason. With the test switch every rank has NCCL.
+    (r"would share one GPU", lambda np_, env, m: np_ > m.gpus and not _shared_gpu_nccl(env)),
+    (r"cupy not importable here", lambda np_, env, m: not m.cupy),
+    (r"^TensorFlow is not installed here", lambda np_, env, m: not m.tensorflow),
+    (r"HOROLITE_TF_NATIVE_OPS=0 in this run", lambda np_, env, m: _native_off(env)),
 ]
 
 
-def unexpected_skips(skips, np_: int, env) -> list:
+def unexpected_skips(skips, np_: int, env, machine: "Machine | None" = None) -> list:
     """The [test id, reason] skips that EXPECTED_SKIPS does not allow for this job."""
+    machine = machine or this_machine()
     return [(test, reason) for test, reason in skips
-            if not any(re.search(pattern, reason) and expected(np_, env)
+            if not any(re.search(pattern, reason) and expected(np_, env, machine)
                        for pattern, expected in EXPECTED_SKIPS)]
 
 
