@@ -259,17 +259,21 @@ def add_process_set(process_set) -> ProcessSet:
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a set (every rank of the job calls it): its members stop its runtime,
-    failing what is still pending on it. False for the global set or one not registered."""
+    failing what is still pending on it. False for the global set or one without an id
+    (at once, as in Horovod) or one not registered. As in Horovod, the set object loses its
+    id before anything is asked, even when the call then raises."""
+    pid = process_set.process_set_id
+    if pid is None or pid == 0:
+        return False
+    process_set._invalidate()
     _global_runtime()
     with _lock:
         if not _dynamic:
             raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or call init(process_sets="
                              "\"dynamic\")) to allow removing process sets after Horovod initialization.")
-        pid = process_set.process_set_id
-        if pid is None or pid == 0 or pid not in _table:
-            return False
-        entry = _table.pop(pid)
-    process_set._invalidate()
+        entry = _table.pop(pid, None)
+    if entry is None:
+        return False
     if entry.runtime is not None:
         entry.runtime.shutdown()
     return True

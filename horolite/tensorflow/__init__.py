@@ -34,7 +34,7 @@ from .mpi_ops import (allgather, alltoall, barrier, broadcast, grouped_allgather
                       local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
 from .process_sets import (ProcessSet, add_process_set, check_process_set, global_process_set,
                            remove_process_set)
-from . import elastic
+from . import elastic, util
 from .wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
                                  SyncReplicasOptimizer)
 
@@ -48,6 +48,7 @@ __all__ = [
     "join", "barrier", "size_op", "rank_op", "local_size_op", "local_rank_op",
     "process_set_included_op", "Compression", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set", "handle_average_backwards_compatibility", "elastic",
+    "util",
     "broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn", "allgather_object",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",

@@ -4,19 +4,35 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import tensorflow as tf
+
 import horolite as _core
 from horolite.api.process_sets import (ProcessSet, add_process_set, global_process_set,
                                        remove_process_set, runtime_for)
+from horolite.errors import InvalidCollectiveError
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "check_process_set", "check_init_process_sets", "set_size", "set_rank",
-           "reduces_here"]
+           "ProcessSetError", "check_process_set", "check_init_process_sets", "set_size",
+           "set_rank", "reduces_here"]
+
+
+class ProcessSetError(tf.errors.InvalidArgumentError, InvalidCollectiveError):
+    """A collective on a set this rank cannot use. Horovod's op fails with
+    InvalidArgumentError for a rank outside the set, and its allreduce with ValueError
+    (from ``process_set.size()``) for a set never registered: this is both, and
+    horolite's InvalidCollectiveError, so every ``except`` clause written for either
+    catches it. Built as TensorFlow's errors are, ``ProcessSetError(None, None, message)``
+    (so a tf.function re-raises it as it is)."""
 
 
 def check_process_set(process_set, what: str) -> None:
-    """A clear error now (not when the op runs) for a set this rank cannot use: not a
-    ProcessSet, not registered, or this rank not a member."""
-    runtime_for(process_set, what)
+    """A clear error now (not when the op runs; in a graph, when the op is built) for a
+    set this rank cannot use: not a ProcessSet, not registered, or this rank not a
+    member. The error is a ProcessSetError."""
+    try:
+        runtime_for(process_set, what)
+    except InvalidCollectiveError as e:
+        raise ProcessSetError(None, None, str(e)) from None
 
 
 def check_init_process_sets(process_sets: Optional[Sequence]) -> None:

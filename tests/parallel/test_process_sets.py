@@ -214,8 +214,14 @@ def test_add_needs_dynamic(monkeypatch):
     monkeypatch.setattr(ps_mod, "_dynamic", False)
     with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS=1"):
         hvd.add_process_set([0])
+    registered = hvd.ProcessSet([0])
+    registered.process_set_id = 99
     with pytest.raises(ValueError, match="HOROVOD_DYNAMIC_PROCESS_SETS=1"):
-        hvd.remove_process_set(hvd.ProcessSet([0]))
+        hvd.remove_process_set(registered)
+    assert registered.process_set_id is None  # Horovod forgets the id before it asks
+    # a set without an id, or the global one, is False at once, as in Horovod
+    assert hvd.remove_process_set(hvd.ProcessSet([0])) is False
+    assert hvd.remove_process_set(hvd.global_process_set) is False
 
 
 def test_init_again_binds_registered_sets_and_refuses_new_ones(monkeypatch):

@@ -6,6 +6,7 @@ its own gradients (as in Horovod).
 Run by tests/test_matrix_tensorflow.py under mpirun -np 1..4.
 """
 import os
+import re
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -105,8 +106,50 @@ def test_a_rank_outside_the_set_keeps_its_gradients():
     if R in OTHER.ranks:
         pytest.fail("OTHER is the other parity's set")
     np.testing.assert_allclose(g.numpy(), np.full(W0.shape, R + 1.0))
-    with pytest.raises(hvd.InvalidCollectiveError, match="is not a member of process set"):
+
+
+@pytest.mark.skipif(N < 2, reason="needs a rank outside a set")
+def test_a_collective_on_a_set_this_rank_is_not_in_is_invalid_argument():
+    """Horovod's op fails with tf.errors.InvalidArgumentError, eagerly and in graphs; the
+    error names the rank and the set. Every collective refuses, and the runtime goes on."""
+    want = f"rank {R} is not a member of process set {OTHER.process_set_id} (job ranks {OTHER.ranks})"
+    calls = {"allreduce": lambda: hvd.allreduce(tf.ones(2), process_set=OTHER),
+             "grouped_allreduce": lambda: hvd.grouped_allreduce([tf.ones(2)], process_set=OTHER),
+             "allgather": lambda: hvd.allgather(tf.ones(2), process_set=OTHER),
+             "broadcast": lambda: hvd.broadcast(tf.ones(2), OTHER.ranks[0], process_set=OTHER),
+             "alltoall": lambda: hvd.alltoall(tf.ones(2), process_set=OTHER),
+             "reducescatter": lambda: hvd.reducescatter(tf.ones(2), process_set=OTHER)}
+    for what, call in calls.items():
+        with pytest.raises(tf.errors.InvalidArgumentError, match=re.escape(f"{what}: {want}")):
+            call()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="is not a member"):
+        tf.function(lambda: hvd.allreduce(tf.ones(2), process_set=OTHER))()
+    with tf.Graph().as_default():
+        with pytest.raises(tf.errors.InvalidArgumentError, match="is not a member"):
+            hvd.allreduce(tf.ones(2), process_set=OTHER)
+    # Still horolite's InvalidCollectiveError too, and the runtime keeps working.
+    with pytest.raises(hvd.InvalidCollectiveError):
         hvd.allreduce(tf.ones(2), process_set=OTHER)
+    got = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name="ps.after.refusal")
+    np.testing.assert_allclose(got.numpy(), [float(N)])
+
+
+def test_a_set_never_registered_is_a_value_error_and_invalid_argument():
+    """Horovod: ValueError from allreduce (process_set.size()), InvalidArgumentError from
+    the ops that ask the runtime; horolite's error is both."""
+    fake = hvd.ProcessSet([0])
+    fake.process_set_id = 10
+    for call in (lambda: hvd.allreduce(tf.ones(2), process_set=fake),
+                 lambda: hvd.allgather(tf.ones(2), process_set=fake)):
+        for cls in (ValueError, tf.errors.InvalidArgumentError):
+            with pytest.raises(cls, match="is not registered"):
+                call()
+    with pytest.raises(ValueError, match="Process set does not exist or has not been registered"):
+        fake.size()
+    assert hvd.mpi_ops._basics._get_process_set_ids_and_ranks()[MINE.process_set_id] == MINE.ranks
+    assert hvd.mpi_ops._basics._process_set_size(0) == N
+    with pytest.raises(ValueError, match="does not exist"):
+        hvd.mpi_ops._basics._process_set_rank(10)
 
 
 def test_collectives_on_a_set():

@@ -1,0 +1,43 @@
+"""Horovod's ``horovod.tensorflow.util``: the small helpers its tests and some user code
+import from there (eager or not, a tf.function, variables as dictionary keys)."""
+from __future__ import annotations
+
+import tensorflow as tf
+
+__all__ = ["_executing_eagerly", "_make_subgraph", "_cache", "vars_to_refs", "refs_to_vars"]
+
+
+def _executing_eagerly() -> bool:
+    """Whether ops run eagerly here (False inside a tf.function or a TF1 graph)."""
+    return tf.executing_eagerly()
+
+
+def _make_subgraph(f):
+    return tf.function(f)
+
+
+def _cache(f):
+    """Memoize `f` by its arguments and by whether it is called eagerly (a graph's
+    tensors cannot be reused eagerly, nor the other way)."""
+    cache = {}
+
+    def wrapper(*args):
+        key = (args, _executing_eagerly())
+        if key not in cache:
+            cache[key] = f(*args)
+        return cache[key]
+    return wrapper
+
+
+def vars_to_refs(variables):
+    """Hashable references of a variable or of a (nested) list of them."""
+    if isinstance(variables, list):
+        return tuple(vars_to_refs(v) for v in variables)
+    return variables.ref()
+
+
+def refs_to_vars(refs):
+    """The inverse of vars_to_refs."""
+    if isinstance(refs, tuple):
+        return [refs_to_vars(r) for r in refs]
+    return refs.deref()
