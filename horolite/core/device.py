@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import itertools
 import threading
 from typing import Optional, Sequence, Tuple
 
@@ -35,7 +36,7 @@ from .config import env_value
 from ..errors import InvalidCollectiveError
 
 __all__ = ["CPU", "CUDA", "is_device_array", "device_kind", "device_string", "as_cupy",
-           "device_input", "record_ready", "needs_contiguous_copy", "host_ints", "select_device", "device_for_rank", "parse_device_override", "nccl_status", "cuda_device_count"]
+           "device_input", "Ready", "record_ready", "last_ready", "needs_contiguous_copy", "host_ints", "select_device", "device_for_rank", "parse_device_override", "nccl_status", "cuda_device_count"]
 
 CPU = "cpu"
 CUDA = "cuda"
@@ -170,13 +171,38 @@ def device_input(obj, name: str, rt):
     return array
 
 
-def record_ready(array):
-    """A CUDA event on the caller's current stream: the array's data is complete when it fires."""
+class Ready:
+    """A CUDA event recorded on the caller's stream at submit: the array's data is complete
+    when it fires. Events recorded later by one thread on one stream fire later, so a batch
+    waits only for the last of each (`stream_key`, `seq`): one wait, not one per member."""
+    __slots__ = ("event", "stream_key", "seq")
+
+    def __init__(self, event, stream_key, seq: int):
+        self.event, self.stream_key, self.seq = event, stream_key, seq
+
+
+_ready_seq = itertools.count()
+
+
+def record_ready(array) -> Ready:
+    """A Ready on the caller's current stream for `array`'s device."""
     cupy = _cupy()
     with array.device:
+        stream = cupy.cuda.get_current_stream()
         event = cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
-        event.record(cupy.cuda.get_current_stream())
-    return event
+        event.record(stream)
+    return Ready(event, (array.device.id, stream.ptr, threading.get_ident()), next(_ready_seq))
+
+
+def last_ready(readies) -> list:
+    """The events a batch must wait for: the last Ready of each thread's stream (None skipped)."""
+    last = {}
+    for ready in readies:
+        if ready is not None:
+            have = last.get(ready.stream_key)
+            if have is None or ready.seq > have.seq:
+                last[ready.stream_key] = ready
+    return [ready.event for ready in last.values()]
 
 
 def needs_contiguous_copy(arr) -> bool:

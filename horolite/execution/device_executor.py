@@ -1,11 +1,13 @@
 """Runs the agreed responses whose tensors live on the GPU (device "cuda").
 
-The host Executor hands every batch with a device response here; the steps
-mirror its host ones (pack into the fusion buffer with the prescale, one
-transport call, unpack) but every array is CuPy, every copy and kernel is
-enqueued on the NCCL transport's stream, and handles complete only after that
-stream has finished. The fusion buffer is one device buffer, allocated at the
-first fused batch and reused.
+The host Executor hands every batch with a device response here. A fused batch
+costs a fixed number of CUDA calls whatever its size, none per member: one wait
+per caller stream, one table upload and one gather launch to pack the members
+(prescale fused, core/device_kernels.py), one allocation for the results, the
+NCCL call, and the results are views of that one buffer (device_layout.py); an
+allgather adds one unpack launch. A single tensor is reduced out of place, from
+its input straight into its result. Everything is enqueued on the NCCL
+transport's stream, and handles complete only after that stream has finished.
 """
 from __future__ import annotations
 
@@ -15,13 +17,48 @@ from typing import List, Optional
 import numpy as np
 
 from ..errors import HorovodInternalError
+from ..core import device_kernels as kernels
+from ..core.device import last_ready
+from ..core.handle import Handle
 from ..core.messages import Kind, Response
 from ..core.ops import ReduceOp, dtype_from_name
-from ..transport.ring import row_bounds
 from ..coordination.tensor_queue import Entry
-from ..transport.nccl import device_copy, device_scale
+from .device_layout import Gathered, Packed, Scattered, copy_unit
 
 __all__ = ["DeviceExecutor"]
+
+
+class _Tables:
+    """Kernel tables to the device: written into one pinned host buffer, one async copy
+    each. Reused from batch to batch (each batch ends with a stream synchronize)."""
+
+    def __init__(self, cupy):
+        self._cupy = cupy
+        self._host = self._dev = None
+        self._used = 0
+        self._retired = []  # buffers outgrown during this batch: copies may still read them
+
+    def reset(self) -> None:
+        self._used = 0
+        self._retired.clear()
+
+    def put(self, table: np.ndarray, stream) -> int:
+        """Device address of a copy of `table` (int64), enqueued on `stream`."""
+        cp, n = self._cupy, table.size
+        if self._host is None or self._used + n > self._host.size:
+            if self._host is not None:
+                self._retired.append((self._host, self._dev))
+            import cupyx
+            capacity = max(1 << 12, 2 * (self._used + n))
+            self._host = cupyx.empty_pinned(capacity, np.int64)
+            self._dev = cp.empty(capacity, np.int64)
+            self._used = 0
+        lo = self._used
+        self._host[lo:lo + n] = table
+        cp.cuda.runtime.memcpyAsync(self._dev.data.ptr + lo * 8, self._host.ctypes.data + lo * 8,
+                                    n * 8, cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+        self._used += n
+        return self._dev.data.ptr + lo * 8
 
 
 class DeviceExecutor:
@@ -31,152 +68,180 @@ class DeviceExecutor:
         self.transport = transport
         self.rank = transport.rank
         self.size = transport.size
+        self.device_id = transport.device_id
         self.fusion_threshold = fusion_threshold
-        self._fusion = None
+        self._tables = _Tables(cupy)
+        self._layouts = {}  # see _layout
+        self.launches = 0  # gather launches so far (tests and benchmarks read it)
 
     def run(self, host, batch: List[Response], entries: List[Optional[Entry]]) -> None:
         """Run one batch; `host` is the Executor (completion, timeline spans)."""
         first = batch[0]
         try:
             with self.transport.activate() as stream:
-                for entry in entries:
-                    ready = getattr(entry, "ready", None) if entry is not None else None
-                    if ready is not None:  # the caller's stream had produced the input by then
-                        stream.wait_event(ready)
+                self._tables.reset()
+                for event in last_ready(e.ready for e in entries if e is not None):
+                    stream.wait_event(event)  # the caller's stream had produced the inputs
                 if first.kind == Kind.ALLREDUCE:
                     results = self._allreduce(host, batch, entries)
                 elif first.kind == Kind.ALLGATHER:
-                    results = [self._allgather(host, first, entries[0])]
+                    results = self._allgather(host, batch, entries)
                 elif first.kind == Kind.BROADCAST:
-                    results = [self._broadcast(host, first, entries[0])]
+                    results = self._broadcast(host, batch, entries)
+                elif first.kind == Kind.REDUCESCATTER:
+                    results = self._reducescatter(host, batch, entries)
                 elif first.kind == Kind.ALLTOALL:
                     results = [self._alltoall(host, first, entries[0])]
-                elif first.kind == Kind.REDUCESCATTER:
-                    results = [self._reducescatter(host, first, entries[0])]
                 else:
                     raise HorovodInternalError(f"tensor '{first.name}': {first.kind.label} has no "
                                                "device implementation")
-                stream.synchronize()  # results are complete before any handle says so
+                self.transport.finish()  # results are complete before any handle says so
         except HorovodInternalError:
             raise
         except Exception as exc:  # CUDA or NCCL error: fail these tensors, keep the runtime
             names = ", ".join(f"'{r.name}'" for r in batch)
             raise HorovodInternalError(f"tensor {names}: {first.kind.label} on cuda:"
-                                       f"{self.transport.device_id} failed on rank {self.rank}: "
+                                       f"{self.device_id} failed on rank {self.rank}: "
                                        f"{type(exc).__name__}: {exc}") from exc
-        for resp, entry, value in zip(batch, entries, results):
-            host._complete(resp, entry, value)
+        if None in entries or first.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
+            for resp, entry, value in zip(batch, entries, results):
+                host._complete(resp, entry, value)
+            return
+        host.queue.finish_all([r.name for r in batch])
+        Handle.set_results([e.handle for e in entries], results)
+
+    # ---- the CUDA calls (one each per batch) ----
+    def _alloc(self, nbytes: int):
+        """One device buffer of `nbytes` bytes (uint8), on the stream (CuPy's pool)."""
+        return self._cupy.empty(nbytes, dtype=self._cupy.uint8)
+
+    def _launch(self, name: str, table: np.ndarray, dst_ptr: int, total_bytes: int, unit: int,
+                factor: Optional[float] = None) -> None:
+        """One gather launch: the members of `table` into the buffer at `dst_ptr`."""
+        if total_bytes == 0:
+            return
+        stream = self.transport.stream
+        args = (np.uint64(self._tables.put(table, stream)), np.int32(len(table) // 3),
+                np.uint64(dst_ptr))
+        if factor is not None:
+            args += (np.float64(factor),)
+        kernels.function(name, self.device_id)(
+            (kernels.blocks_for(total_bytes // unit),), (kernels.THREADS,), args, stream=stream)
+        self.launches += 1
 
     # ---- helpers ----
-    def _input(self, resp: Response, entry: Optional[Entry]):
-        if entry is not None:
-            return entry.array
-        # A joined rank contributes zeros, on the device like everyone else's tensor.
-        return self._cupy.zeros(resp.shape, dtype=dtype_from_name(resp.dtype))
-
-    def _fusion_buffer(self, nbytes: int):
-        if self._fusion is None or self._fusion.nbytes < nbytes:
-            self._fusion = self._cupy.empty(max(self.fusion_threshold, nbytes), dtype=self._cupy.uint8)
-        return self._fusion[:nbytes]
+    def _layout(self, batch: List[Response], make):
+        """make(batch), remembered for the last few batches: cached responses come back as
+        the same objects every step, and a layout costs per member."""
+        key = tuple(map(id, batch))
+        hit = self._layouts.get(key)
+        if hit is not None and hit[0] == batch:
+            return hit[1]
+        layout = make(batch)
+        if len(self._layouts) >= 16:
+            self._layouts.pop(next(iter(self._layouts)))
+        self._layouts[key] = (list(batch), layout)
+        return layout
 
     @staticmethod
-    def _flat(array):
-        return array.reshape(-1)
+    def _pointers(entries: List[Optional[Entry]]) -> np.ndarray:
+        """Each input's device address; 0 for a joined rank's missing tensor (zeros)."""
+        return np.fromiter((0 if e is None else e.array.data.ptr for e in entries),
+                           dtype=np.uint64, count=len(entries))
+
+    def _pack(self, layout: Packed, ptrs: np.ndarray, dst_ptr: int, prescale: float) -> None:
+        if prescale == 1.0:
+            unit = copy_unit(ptrs, layout.nbytes)
+            self._launch(kernels.copy_kernel(unit), layout.table(ptrs, unit), dst_ptr,
+                         layout.total, unit)
+        else:
+            dtype = layout.single_dtype
+            self._launch(kernels.scale_kernel(dtype.name), layout.table(ptrs, dtype.itemsize),
+                         dst_ptr, layout.total, dtype.itemsize, prescale)
 
     # ---- collectives ----
     def _allreduce(self, host, batch: List[Response], entries: List[Optional[Entry]]) -> list:
-        cp = self._cupy
         first = batch[0]
         op = ReduceOp(first.op)
         postscale = first.total_postscale(self.size)
-        names = [r.name for r in batch]
-        inputs = [self._input(r, e) for r, e in zip(batch, entries)]
-        outputs = [cp.empty(a.shape, dtype=a.dtype) for a in inputs]
+        names = [r.name for r in batch] if host.timeline.enabled else []
         start = host._queue_spans(batch, entries)
-        if len(batch) == 1:
-            flat = self._flat(outputs[0])
-            device_copy(flat, self._flat(inputs[0]))
-            device_scale(flat, first.prescale)
-            t1 = time.monotonic()
-            host._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
-            self.transport.allreduce(flat, op, postscale)
-            host._span(names, "NCCL_ALLREDUCE", t1, time.monotonic())
-            return outputs
-        total = sum(a.nbytes for a in inputs)
-        buf = self._fusion_buffer(total)
-        offset = 0
-        for a in inputs:
-            device_copy(buf[offset:], self._flat(a))
-            offset += a.nbytes
-        typed = buf.view(inputs[0].dtype)
-        device_scale(typed, first.prescale)
+        layout = self._layout(batch, lambda b: Packed([r.shape for r in b],
+                                                      [dtype_from_name(b[0].dtype)] * len(b)))
+        out = self._alloc(layout.total)
+        typed = out.view(layout.single_dtype)
+        entry = entries[0]
+        if len(batch) == 1 and entry is not None and first.prescale == 1.0:
+            # out of place: from the input straight into the result
+            self.transport.enqueue_allreduce(entry.array.reshape(-1), typed, op, postscale)
+            host._span(names, "NCCL_ALLREDUCE", start, time.monotonic())
+            return layout.views(out)
+        self._pack(layout, self._pointers(entries), out.data.ptr, first.prescale)
         t1 = time.monotonic()
         host._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
-        self.transport.allreduce(typed, op, postscale)
-        t2 = time.monotonic()
-        host._span(names, "NCCL_ALLREDUCE", t1, t2)
-        offset = 0
-        for out in outputs:
-            device_copy(self._flat(out), buf[offset:], out.nbytes)
-            offset += out.nbytes
-        host._span(names, "MEMCPY_OUT_FUSION_BUFFER", t2, time.monotonic())
-        return outputs
+        self.transport.enqueue_allreduce(typed, typed, op, postscale)
+        host._span(names, "NCCL_ALLREDUCE", t1, time.monotonic())
+        return layout.views(out)
 
-    def _allgather(self, host, resp: Response, entry: Entry):
-        cp = self._cupy
-        start = host._queue_spans([resp], [entry])
-        array = entry.array
-        row_bytes = int(np.prod(resp.shape[1:], dtype=np.int64)) * array.itemsize
-        dims = resp.first_dims
-        out = cp.empty((sum(dims),) + tuple(resp.shape[1:]), dtype=array.dtype)
-        out_bytes = self._flat(out).view(cp.uint8)
-        bounds = [0]
-        for d in dims:
-            bounds.append(bounds[-1] + d * row_bytes)
-        device_copy(out_bytes[bounds[self.rank]:], self._flat(array))
-        self.transport.allgather(out_bytes, bounds)
-        host._span([resp.name], "NCCL_ALLGATHER", start, time.monotonic())
-        return out
+    def _broadcast(self, host, batch: List[Response], entries: List[Optional[Entry]]) -> list:
+        first = batch[0]
+        start = host._queue_spans(batch, entries)
+        layout = self._layout(batch, lambda b: Packed([r.shape for r in b],
+                                                      [dtype_from_name(r.dtype) for r in b]))
+        out = self._alloc(layout.total)
+        if self.rank == first.root:
+            self._pack(layout, self._pointers(entries), out.data.ptr, 1.0)
+        self.transport.enqueue_broadcast(out, first.root)
+        host._span([r.name for r in batch], "NCCL_BROADCAST", start, time.monotonic())
+        return layout.views(out)
 
-    def _broadcast(self, host, resp: Response, entry: Entry):
-        cp = self._cupy
-        start = host._queue_spans([resp], [entry])
-        out = cp.empty(entry.array.shape, dtype=entry.array.dtype)
-        if self.rank == resp.root:
-            device_copy(self._flat(out), self._flat(entry.array))
-        self.transport.broadcast(self._flat(out).view(cp.uint8), resp.root)
-        host._span([resp.name], "NCCL_BROADCAST", start, time.monotonic())
-        return out
+    def _allgather(self, host, batch: List[Response], entries: List[Optional[Entry]]) -> list:
+        start = host._queue_spans(batch, entries)
+        layout = self._layout(batch, lambda b: Gathered(
+            [r.shape for r in b], [dtype_from_name(r.dtype) for r in b],
+            [r.first_dims for r in b], self.rank))
+        gathered = self._alloc(layout.segment * self.size)
+        ptrs = self._pointers(entries)
+        unit = copy_unit(ptrs, layout.pack_starts, layout.pack_bytes)
+        self._launch(kernels.copy_kernel(unit), layout.pack_table(ptrs, unit),
+                     gathered.data.ptr + self.rank * layout.segment, layout.segment, unit)
+        self.transport.enqueue_allgather(gathered, layout.segment)
+        out = self._alloc(layout.total)
+        self._launch(kernels.copy_kernel(layout.unpack_unit),
+                     layout.unpack_table(gathered.data.ptr), out.data.ptr, layout.total,
+                     layout.unpack_unit)
+        host._span([r.name for r in batch], "NCCL_ALLGATHER", start, time.monotonic())
+        return layout.views(out)
+
+    def _reducescatter(self, host, batch: List[Response], entries: List[Optional[Entry]]) -> list:
+        first = batch[0]
+        start = host._queue_spans(batch, entries)
+        dtype = dtype_from_name(first.dtype)
+        layout = self._layout(batch, lambda b: Scattered([r.shape for r in b], dtype, self.size,
+                                                         self.rank))
+        send = self._alloc(layout.segment * self.size)
+        recv = self._alloc(layout.segment)
+        src = layout.sources(self._pointers(entries))
+        if first.prescale == 1.0:
+            unit = copy_unit(src, layout.piece_bytes)
+            self._launch(kernels.copy_kernel(unit), layout.table(src, unit), send.data.ptr,
+                         send.nbytes, unit)
+        else:
+            item = dtype.itemsize
+            self._launch(kernels.scale_kernel(dtype.name), layout.table(src, item), send.data.ptr,
+                         send.nbytes, item, first.prescale)
+        self.transport.enqueue_reducescatter(send.view(dtype), recv.view(dtype), ReduceOp(first.op),
+                                             first.total_postscale(self.size))
+        host._span([r.name for r in batch], "NCCL_REDUCESCATTER", start, time.monotonic())
+        return layout.views(recv)
 
     def _alltoall(self, host, resp: Response, entry: Entry):
-        cp = self._cupy
         start = host._queue_spans([resp], [entry])
         array = entry.array
         row_shape = tuple(array.shape[1:])
         row_bytes = int(np.prod(row_shape, dtype=np.int64)) * array.itemsize
-        recv, recv_rows = self.transport.alltoall(self._flat(array).view(cp.uint8), entry.splits,
-                                                  row_bytes)
+        recv, recv_rows = self.transport.alltoall(array.reshape(-1).view(self._cupy.uint8),
+                                                  entry.splits, row_bytes)
         out = recv.view(array.dtype).reshape((int(recv_rows.sum()),) + row_shape)
         host._span([resp.name], "NCCL_ALLTOALL", start, time.monotonic())
         return out, recv_rows
-
-    def _reducescatter(self, host, resp: Response, entry: Entry):
-        cp = self._cupy
-        start = host._queue_spans([resp], [entry])
-        array = entry.array
-        op = ReduceOp(resp.op)
-        postscale = resp.total_postscale(self.size)
-        work = cp.empty(array.size, dtype=array.dtype)
-        device_copy(work, self._flat(array))
-        device_scale(work, resp.prescale)
-        rows = array.shape[0]
-        row_elems = int(np.prod(array.shape[1:], dtype=np.int64))
-        bounds = row_bounds(rows, row_elems, self.size)
-        self.transport.reducescatter(work, bounds, op, postscale)
-        base, extra = divmod(rows, self.size)
-        my_rows = base + (1 if self.rank < extra else 0)
-        mine = work[bounds[self.rank]:bounds[self.rank + 1]]
-        out = cp.empty((my_rows,) + tuple(array.shape[1:]), dtype=array.dtype)
-        device_copy(self._flat(out), mine)
-        host._span([resp.name], "NCCL_REDUCESCATTER", start, time.monotonic())
-        return out

@@ -12,19 +12,32 @@ from ..core.messages import Kind, Response
 __all__ = ["plan_spans"]
 
 
+# On the GPU these fuse too: one pack launch and one NCCL call for the batch
+# (execution/device_executor.py); on the host each runs alone.
+_DEVICE_FUSED = (Kind.ALLGATHER, Kind.BROADCAST, Kind.REDUCESCATTER)
+
+
 def _fusion_key(resp: Response):
     # Cached on the response: cached responses come back every step.
     key = resp.__dict__.get("_fusion_key")
     if key is None:
-        key = resp.__dict__["_fusion_key"] = (resp.dtype, resp.op, resp.prescale, resp.postscale,
-                                              resp.device, resp.joined)
+        key = resp.__dict__["_fusion_key"] = (resp.kind, resp.dtype, resp.op, resp.prescale,
+                                              resp.postscale, resp.device, resp.joined, resp.root)
     return key
+
+
+def _fusable(resp: Response) -> bool:
+    if resp.error is not None or resp.contributors:  # (a quorum allreduce runs alone)
+        return False
+    return resp.kind == Kind.ALLREDUCE or (resp.kind in _DEVICE_FUSED and resp.device != "cpu"
+                                           and not resp.joined)
 
 
 def plan_spans(responses: Sequence[Response], nbytes: Callable[[Response], int],
                threshold: int) -> List[Tuple[int, int]]:
-    """Batches as [start, stop) ranges of `responses`: consecutive fusable allreduces
-    whose total stays within `threshold` bytes share one.
+    """Batches as [start, stop) ranges of `responses`: consecutive fusable allreduces (and,
+    on the GPU, allgathers, broadcasts from one root, reducescatters) with the same key,
+    whose total stays within `threshold` bytes, share one.
 
     Everything else (errors, other collectives, tensors bigger than the
     threshold, or all tensors when threshold is 0) runs alone.
@@ -32,9 +45,7 @@ def plan_spans(responses: Sequence[Response], nbytes: Callable[[Response], int],
     spans: List[Tuple[int, int]] = []
     start, key, current_bytes = -1, None, 0  # the open batch, if start >= 0
     for i, resp in enumerate(responses):
-        # (a quorum allreduce runs alone: its contributors are its own)
-        size = (nbytes(resp) if resp.kind == Kind.ALLREDUCE and resp.error is None
-                and not resp.contributors else -1)
+        size = nbytes(resp) if _fusable(resp) else -1
         fusable = 0 <= size <= threshold and threshold > 0
         if fusable and start >= 0 and current_bytes + size <= threshold:
             k = _fusion_key(resp)

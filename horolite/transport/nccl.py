@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 import numpy as np
 
 from ..core import device as device_mod
+from ..core import device_kernels
 from ..core.ops import ReduceOp
 from .shared_gpu_switch import SHARED_GPU_TEST_SWITCH, shared_gpu_host_id, shared_gpu_test_switch
 
@@ -90,29 +91,18 @@ def exchange_unique_id(unique_id, comm: MPI.Comm, root: int = 0) -> bytes:
 
 
 # ---- device kernels the executor and transport share ----
-def device_scale(buf, factor: float) -> None:
-    """buf *= factor in place, on the current stream, with the host path's rounding.
-
-    float16/bfloat16 compute in float32; integers compute in double, truncate
-    toward zero and saturate to the dtype's range (like native/ on the host).
-    """
+def device_scale(buf, factor: float, stream=None) -> None:
+    """buf *= factor in place, one launch on `stream` (default: the current one), with the
+    host path's rounding: float16 computes in float32; integers compute in double, truncate
+    toward zero and saturate to the dtype's range (core/device_kernels.py)."""
     if factor == 1.0 or buf.size == 0:
         return
     import cupy
-    kind = buf.dtype.kind
-    if kind == "f" and buf.itemsize >= 4:
-        buf *= buf.dtype.type(factor)
-        return
-    if kind == "f" or buf.dtype.name == "bfloat16":
-        tmp = buf.astype(cupy.float32)
-        tmp *= np.float32(factor)
-    else:
-        info = np.iinfo(buf.dtype)
-        tmp = buf.astype(cupy.float64)
-        tmp *= factor
-        cupy.trunc(tmp, out=tmp)
-        cupy.clip(tmp, float(info.min), float(info.max), out=tmp)
-    cupy.copyto(buf, tmp, casting="unsafe")
+    fn = device_kernels.function(device_kernels.inplace_kernel(buf.dtype.name), buf.device.id)
+    stream = stream or cupy.cuda.get_current_stream()
+    blocks = min(-(-buf.size // device_kernels.THREADS), 65535)
+    fn((blocks,), (device_kernels.THREADS,), (buf, np.int64(buf.size), np.float64(factor)),
+       stream=stream)
 
 
 def device_copy(dst, src, nbytes: Optional[int] = None, stream=None) -> None:
@@ -192,23 +182,58 @@ class NCCLTransport:
                                                  dtype=self._cupy.uint8)
         return self._scratch
 
+    def finish(self) -> None:
+        """Wait for everything enqueued on the stream; raise NCCL's asynchronous error."""
+        self._finish()
+
+    # ---- enqueued only: the caller activates, and finishes once for a whole batch ----
+    def enqueue_allreduce(self, src, dst, op, postscale: float) -> None:
+        """dst = the reduction of the typed 1-D `src` over all ranks, scaled by `postscale`
+        (src may be dst: in place). Out of place, a single tensor goes straight from its
+        input into its result."""
+        n, count, stream = self.size, dst.size, self.stream
+        if count == 0:
+            return
+        if n > 1:
+            dt, nop = self._dtype(dst), self._ops[ReduceOp(op)]
+            if postscale != 1.0 and count % n == 0 and dst.nbytes >= RS_AG_MIN_BYTES:
+                seg = count // n
+                mine = dst[self.rank * seg:(self.rank + 1) * seg]
+                self.comm.reduceScatter(src.data.ptr, mine.data.ptr, seg, dt, nop, stream.ptr)
+                device_scale(mine, postscale, stream)
+                self.comm.allGather(mine.data.ptr, dst.data.ptr, seg, dt, stream.ptr)
+                return
+            self.comm.allReduce(src.data.ptr, dst.data.ptr, count, dt, nop, stream.ptr)
+        elif src.data.ptr != dst.data.ptr:
+            device_copy(dst, src, stream=stream)
+        device_scale(dst, postscale, stream)
+
+    def enqueue_allgather(self, buf, segment: int) -> None:
+        """Equal segments of `segment` bytes: this rank's, at rank * segment, to every rank."""
+        if self.size > 1 and segment:
+            base = buf.data.ptr
+            self.comm.allGather(base + self.rank * segment, base, segment, self._nccl.NCCL_UINT8,
+                                self.stream.ptr)
+
+    def enqueue_broadcast(self, buf, root: int) -> None:
+        if self.size > 1 and buf.nbytes:
+            self.comm.bcast(buf.data.ptr, buf.nbytes, self._nccl.NCCL_UINT8, root, self.stream.ptr)
+
+    def enqueue_reducescatter(self, send, recv, op, postscale: float) -> None:
+        """recv (typed, one segment) = the reduction of segment `rank` of `send` (size segments)."""
+        count = recv.size
+        if count and self.size > 1:
+            self.comm.reduceScatter(send.data.ptr, recv.data.ptr, count, self._dtype(recv),
+                                    self._ops[ReduceOp(op)], self.stream.ptr)
+        elif count and send.data.ptr != recv.data.ptr:
+            device_copy(recv, send, recv.nbytes, stream=self.stream)
+        device_scale(recv, postscale, self.stream)
+
     # ---- data plane ----
     def allreduce(self, buf, op, postscale: float) -> None:
         """Reduce the typed 1-D `buf` in place over all ranks, then scale it by `postscale`."""
-        with self.activate() as stream:
-            n, count = self.size, buf.size
-            if n > 1 and count:
-                dt, nop = self._dtype(buf), self._ops[ReduceOp(op)]
-                if postscale != 1.0 and count % n == 0 and buf.nbytes >= RS_AG_MIN_BYTES:
-                    seg = count // n
-                    mine = buf[self.rank * seg:(self.rank + 1) * seg]
-                    self.comm.reduceScatter(buf.data.ptr, mine.data.ptr, seg, dt, nop, stream.ptr)
-                    device_scale(mine, postscale)
-                    self.comm.allGather(mine.data.ptr, buf.data.ptr, seg, dt, stream.ptr)
-                    postscale = 1.0
-                else:
-                    self.comm.allReduce(buf.data.ptr, buf.data.ptr, count, dt, nop, stream.ptr)
-            device_scale(buf, postscale)
+        with self.activate():
+            self.enqueue_allreduce(buf, buf, op, postscale)
             self._finish()
 
     def reducescatter(self, buf, bounds: Sequence[int], op, postscale: float) -> None:
