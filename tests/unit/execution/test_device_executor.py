@@ -184,7 +184,7 @@ def test_a_single_tensor_goes_from_its_input_straight_into_its_result():
 def test_a_joined_rank_contributes_zeros_from_a_null_pointer():
     ex, mem, nccl, launches = executor(size=2)
     a = mem.device(np.ones(6, np.float32))
-    got = run(ex, Kind.ALLREDUCE, [a, None], op=1, joined_shape=(4,))
+    got = run(ex, Kind.ALLREDUCE, [a, None], op=1, joined=(0,), joined_shape=(4,))
     table = launches[0][1]
     assert table[:2].view(np.uint64).tolist() == [a.data.ptr, 0]
     np.testing.assert_array_equal(read(got[0]), np.full(6, 2.0))
@@ -268,3 +268,29 @@ def test_a_batch_waits_once_per_caller_stream():
                for r, a, rd in zip(batch, arrays, readies)]
     ex.run(host, batch, entries)
     assert sorted(nccl.stream.waits) == ["e1", "e2", "e4"]
+
+
+def test_a_fused_result_buffer_is_reused_only_once_nothing_refers_to_it():
+    ex, mem, nccl, launches = executor()
+    inputs = [mem.device(np.full(5, i, np.float32)) for i in range(3)]
+    # cached responses come back as the same objects every step
+    batch = [Response(kind=Kind.ALLREDUCE, name=n, dtype="float32", shape=(5,), op=1, device="cuda")
+             for n in "abc"]
+
+    def step():
+        entries = [Entry(Request(r.name, Kind.ALLREDUCE, "float32", (5,)), a, Handle(r.name))
+                   for r, a in zip(batch, inputs)]
+        ex.run(FakeHost(), batch, entries)
+        return [e.handle.result(timeout=0) for e in entries]
+    first = step()
+    allocs = mem.allocs
+    held = first[1].reshape(5, 1)  # a view of a result keeps the buffer
+    del first
+    second = step()
+    assert second[1].data.ptr != held.data.ptr and mem.allocs == allocs + 1
+    np.testing.assert_array_equal(read(held), np.full((5, 1), 1.0))
+    ptrs = [g.data.ptr for g in second]
+    del held, second
+    third = step()
+    assert mem.allocs == allocs + 1 and [g.data.ptr for g in third] == ptrs  # no allocation
+    np.testing.assert_array_equal(read(third[2]), np.full(5, 2.0))
