@@ -16,8 +16,8 @@ from .api.collectives import (allgather, allgather_async, allreduce, allreduce_a
                               grouped_allgather_async, grouped_allreduce, grouped_allreduce_async,
                               grouped_reducescatter, grouped_reducescatter_async, join, join_async, poll, reducescatter, reducescatter_async,
                               synchronize)
-from .errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
-                     NotInitializedError, ShutdownError, StallError, TensorMismatchError)
+from .errors import (AdasumUnsupportedError, DuplicateNameError, HorovodInternalError,
+                     InvalidCollectiveError, NotInitializedError, ShutdownError, StallError, TensorMismatchError)
 from .core.handle import Handle
 from .api.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
@@ -37,5 +37,6 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
+    "AdasumUnsupportedError",
     "ShutdownError", "StallError", "NotInitializedError", "MPILibraryNotFound", "__version__",
 ]

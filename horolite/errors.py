@@ -1,7 +1,8 @@
 """Exceptions the runtime raises; every one names the tensor it concerns."""
 from __future__ import annotations
 
-__all__ = ["HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
+__all__ = ["HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError",
+           "AdasumUnsupportedError", "DuplicateNameError",
            "ShutdownError", "StallError", "NotInitializedError", "ControlMessageError",
            "HostsUpdatedInterrupt"]
 
@@ -16,6 +17,11 @@ class TensorMismatchError(HorovodInternalError, ValueError):
 
 class InvalidCollectiveError(HorovodInternalError, ValueError):
     """A collective's arguments are wrong on their own (bad root, unsupported dtype...)."""
+
+
+class AdasumUnsupportedError(InvalidCollectiveError, NotImplementedError):
+    """Adasum asked where Horovod refuses it with NotImplementedError: a number of ranks
+    that is not a power of two, or a process set other than the global one."""
 
 
 class DuplicateNameError(HorovodInternalError, ValueError):

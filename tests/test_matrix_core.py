@@ -59,6 +59,13 @@ def test_interpreter_exit_without_shutdown_is_clean(np_, tmp_path):
 
 
 @pytest.mark.parametrize("np_", RANK_COUNTS)
+def test_adasum(np_):
+    # np 3: Horovod's refusal of a count that is not a power of two, on every rank
+    run_pytest_file(os.path.join(PARALLEL, "test_adasum.py"), np_,
+                    pytest_args=["-k", "refused"] if np_ & (np_ - 1) else [])
+
+
+@pytest.mark.parametrize("np_", RANK_COUNTS)
 def test_shared_memory(np_):
     run_pytest_file(os.path.join(PARALLEL, "test_shared_memory.py"), np_)
 

@@ -20,7 +20,8 @@ from ..core import staging
 from ..core.handle import Handle
 from ..core.messages import JOIN_NAME, Kind, Request
 from ..core.ops import MOVABLE_DTYPES, REDUCIBLE_DTYPES, Average, ReduceOp, dtype_name
-from ..errors import InvalidCollectiveError
+from ..errors import AdasumUnsupportedError, InvalidCollectiveError
+from ..transport.adasum import ADASUM_DTYPES, is_power_of_two
 from ..runtime import registry
 from .basics import runtime
 from .grouping import one_handle, pack_host_group, split_group
@@ -93,13 +94,27 @@ def _reduce_op(op, name: str) -> ReduceOp:
         op = ReduceOp(op)
     except ValueError:
         raise InvalidCollectiveError(f"tensor '{name}': unknown reduce op {op!r}") from None
-    if op == ReduceOp.ADASUM:
-        raise InvalidCollectiveError(f"tensor '{name}': Adasum is not supported by horolite")
     return op
 
 
+def _check_adasum(arr, name: str, rt) -> None:
+    """Horovod's Adasum rules, on every rank alike (so none waits for the others): float
+    tensors, a power-of-two number of ranks, the global process set."""
+    dname = dtype_name(arr.dtype)
+    if dname not in ADASUM_DTYPES:
+        raise InvalidCollectiveError(f"tensor '{name}': Adasum reduces {', '.join(ADASUM_DTYPES)}, "
+                                     f"not {dname}")
+    if rt.set_label:
+        raise AdasumUnsupportedError(f"tensor '{name}': Adasum runs over the global process set "
+                                     f"only (as in Horovod), not {rt.set_label}")
+    if not is_power_of_two(rt.size):
+        raise AdasumUnsupportedError(f"tensor '{name}': Adasum needs a power-of-two number of "
+                                     f"ranks (1, 2, 4, 8...), and this job has {rt.size}")
+
+
 def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, splits=None,
-            rt=None, owned: bool = False, parts=None, **fields) -> Handle:
+            rt=None, owned: bool = False, parts=None, host_only: bool = False, **fields) -> Handle:
+    """host_only: a device array goes through host memory even where NCCL is up (Adasum)."""
     rt = rt or runtime()
     ready = None
     if array is None:
@@ -107,13 +122,14 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
     else:
         if array.__class__ is not np.ndarray and not isinstance(array, np.ndarray):
             # A CuPy array from _as_array: over NCCL, or through host memory when NCCL is off.
-            route, why = staging.device_route(getattr(rt, "nccl", None) is not None,
+            route, why = staging.device_route(getattr(rt, "nccl", None) is not None and not host_only,
                                               getattr(rt, "nccl_reason", ""))
             if route == staging.NCCL:
                 fields.setdefault("device", _device.CUDA)
                 ready = _device.record_ready(array)
             else:
-                staging.warn_once(why)
+                if not host_only:  # (Adasum's staging is documented, not a fallback)
+                    staging.warn_once(why)
                 transform = staging.returning_on(array.device.id, transform)
                 array = staging.to_pinned_host(array)
         request = Request(name, kind, dtype_name(array.dtype), array.shape, **fields)
@@ -152,8 +168,11 @@ def _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum,
     if k and not isinstance(arr, np.ndarray):
         raise InvalidCollectiveError(f"tensor '{name}': a quorum allreduce takes host (NumPy) arrays")
     _check_scales(arr, name, pre, post)
+    if op == ReduceOp.ADASUM:
+        _check_adasum(arr, name, rt)
     return _submit(Kind.ALLREDUCE, arr, name, rt=rt, op=int(op), prescale=float(prescale_factor),
-                   postscale=float(postscale_factor), quorum=k)
+                   postscale=float(postscale_factor), quorum=k,
+                   host_only=op == ReduceOp.ADASUM)
 
 
 def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
@@ -199,6 +218,11 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
     op = _reduce_op(op, base)
     k = check_quorum(quorum, op, base, rt.size)
     arrays = list(arrays)
+    if op == ReduceOp.ADASUM:
+        # Each tensor has its own coefficients: the members go separately (they still fuse).
+        return one_handle(base, [allreduce_async(a, op, f"{base}.{i}", prescale_factor,
+                                                 postscale_factor, process_set=process_set)
+                                 for i, a in enumerate(arrays)], rt)
     pre, post = float(prescale_factor), float(postscale_factor)
     if not (math.isfinite(pre) and math.isfinite(post)):
         for i, a in enumerate(arrays):

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..core import kernels
 from ..errors import HorovodInternalError, InvalidCollectiveError, StallError, TensorMismatchError
+from .adasum import run_adasum
 from .fusion import plan_spans
 from .output_pool import OutputPool
 from ..core.handle import Handle
@@ -113,6 +114,8 @@ class Executor:
                     self._complete(first, batch_entries[0], error=_error_for(first))
                 elif first.device != "cpu":
                     self._run_device(batch, batch_entries)
+                elif first.kind == Kind.ALLREDUCE and first.op == ReduceOp.ADASUM:
+                    reduced += run_adasum(self, batch, batch_entries)
                 elif first.kind == Kind.ALLREDUCE:
                     reduced += self._allreduce(batch, batch_entries, layout)
                 elif first.kind == Kind.ALLGATHER:
