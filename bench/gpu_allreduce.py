@@ -11,7 +11,8 @@ Which comparison runs depends on what the job has (horolite decides at init):
 * NCCL off with a GPU here (np 2 on one GPU: the ranks share it): the staged
   path (device -> pinned host -> host allreduce -> device) against the host
   path on a NumPy array plus a device-to-host and a host-to-device copy of the
-  same bytes, timed separately and added.
+  same bytes, timed separately and added. Target: from 4 MiB up, staged <= 1.1x
+  host + copies.
 
 Without a GPU it prints why it skipped and exits 0 (it writes no results).
 
@@ -140,6 +141,11 @@ def main(argv=None) -> None:
         table = [[human_bytes(r["bytes"]), f"{r['staged_s'] * 1e3:.3f}", f"{r['host_s'] * 1e3:.3f}",
                   f"{r['d2h_s'] * 1e3:.3f}", f"{r['h2d_s'] * 1e3:.3f}",
                   f"{r['staged_over_host_plus_copies']:.2f}"] for r in rows]
+        for r in rows:
+            if r["bytes"] >= 4 * MiB:
+                targets.append(Target(f"{human_bytes(r['bytes'])} staged: time / (host path + "
+                                      "the two copies)", r["staged_over_host_plus_copies"], 1.1,
+                                      "x", False, "not yet profiled on a GPU"))
     common.finish(comm, args, "gpu_allreduce",
                   {"mode": mode, "gpu": gpu, "nccl": rt.nccl_reason, "sizes": sizes, "rows": rows},
                   columns, table, targets)

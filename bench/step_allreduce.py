@@ -108,7 +108,10 @@ def host_variants(hvd, comm, label: str, shapes):
 
 
 def device_variants(hvd, comm, label: str, shapes):
-    """The CuPy variants, or (None, why not)."""
+    """The CuPy variants, or (None, why not): the step's gradients grouped and one
+    allreduce_async each, one tensor of their bytes, a device copy of those bytes; and
+    the same tensors as a grouped broadcast (broadcast_variables at start), a grouped
+    allgather and a grouped reducescatter."""
     try:
         import cupy as cp
         if cp.cuda.runtime.getDeviceCount() < 1:
@@ -134,9 +137,22 @@ def device_variants(hvd, comm, label: str, shapes):
             hvd.synchronize(h)
         sync()
 
+    def broadcast():
+        for h in [hvd.broadcast_async(a, 0, name=f"{n}.bc") for a, n in zip(arrays, names)]:
+            hvd.synchronize(h)
+        sync()
+
+    rows = [a.reshape(1, -1) for a in arrays]  # allgather and reducescatter split rows
+    expect = 1.0 + (comm.Get_size() - 1) / 2
+    got = hvd.grouped_allreduce(arrays, name=f"{label}.dev.group")
+    assert all(bool((g == expect).all()) for g in got), f"{label}: wrong device grouped result"
     return {"device copy": lambda: (cp.copyto(copy_out, one), sync()),
             "one tensor": lambda: (hvd.allreduce(one, name=f"{label}.dev.one"), sync()),
-            "grouped": grouped, "async": async_}, ""
+            "grouped": grouped, "async": async_,
+            "broadcast each (broadcast_variables)": broadcast,
+            "grouped allgather": lambda: (hvd.grouped_allgather(rows, name=f"{label}.dev.ag"), sync()),
+            "grouped reducescatter": lambda: (hvd.grouped_reducescatter(
+                [a.reshape(-1) for a in arrays], name=f"{label}.dev.rs"), sync())}, ""
 
 
 def main(argv=None) -> None:
@@ -147,6 +163,8 @@ def main(argv=None) -> None:
     p.add_argument("--tf-steps", type=int, default=40, help="timed TensorFlow steps per variant")
     p.add_argument("--fit-batches", type=int, default=8, help="batches per Keras fit call")
     p.add_argument("--no-tf", action="store_true", help="skip the TensorFlow part")
+    p.add_argument("--device-only", action="store_true",
+                   help="only the GPU rows (CuPy over NCCL; tools/gpu_checks.sh)")
     p.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the table and "
                    "targets of a saved run (its .md, and the targets in the JSON)")
     args = p.parse_args(argv)
@@ -164,17 +182,20 @@ def main(argv=None) -> None:
     res = {"host": {}, "device": {}, "busy_at_start": busy}
     for label in args.models.split(","):
         shapes = models[label]
-        fns, nbytes, count = host_variants(hvd, comm, label, shapes)
-        t0 = time.monotonic()
-        times = blocked_times(fns, args.steps, args.blocks, comm)
-        res["host"][label] = {"bytes": nbytes, "tensors": count, "block_medians_s": times,
-                              "load": round(common.other_busy_so_far(), 3),
-                              "seconds": round(time.monotonic() - t0, 1)}
-        del fns
+        if not args.device_only:
+            fns, nbytes, count = host_variants(hvd, comm, label, shapes)
+            t0 = time.monotonic()
+            times = blocked_times(fns, args.steps, args.blocks, comm)
+            res["host"][label] = {"bytes": nbytes, "tensors": count, "block_medians_s": times,
+                                  "load": round(common.other_busy_so_far(), 3),
+                                  "seconds": round(time.monotonic() - t0, 1)}
+            del fns
         dev, why = device_variants(hvd, comm, label, shapes)
         res["device"][label] = ({"skipped": why} if dev is None else
-                                {"block_medians_s": blocked_times(dev, args.steps, args.blocks, comm)})
-    if not args.no_tf:
+                                {"block_medians_s": blocked_times(dev, args.steps, args.blocks, comm),
+                                 "tensors": len(shapes),
+                                 "bytes": step_models.elements(shapes) * 4})
+    if not args.no_tf and not args.device_only:
         import step_tf
         res["tf"] = step_tf.run(hvd, comm, args, models["dense100"], blocked_times)
     hvd.shutdown()
@@ -231,6 +252,15 @@ def report(res, n: int):
             targets.append(Target(f"ResNet-50 step, {v}: x MPI_Allreduce of one buffer "
                                   f"(np {n}, load {load:.2f})", ratio(t, "MPI_Allreduce", v), 3.0,
                                   "x", True, LIMITS.get(("mpi", v), "")))
+    for label, r in res["device"].items():
+        if "skipped" in r:
+            continue
+        t = r["block_medians_s"]
+        for v in ("grouped", "async"):
+            # issue 39: a step's gradients on the GPU within 1 ms at np 1 (H100 / H200)
+            targets.append(Target(f"{label}, GPU: {r.get('tensors', '?')} gradients, {v} "
+                                  f"(np {n})", float(np.median(t[v])) * 1e3, 1.0, "ms", False,
+                                  "not yet measured on a GPU"))
     if "tf" in res:
         import step_tf
         rows, tf_targets = step_tf.report(res["tf"], n)
