@@ -216,6 +216,35 @@ def test_grouped_allreduce_fuses(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_grouped_allgather_broadcast_reducescatter_fuse(dev):
+    """Many tensors at once (on the GPU: one pack launch and one NCCL call per batch)."""
+    def shape(i, r):  # member i's shape on rank r: first dims differ between ranks
+        return [(r % 3 + 1, 3), (0, 2), (5,), (2 + r, 2, 2)][i]
+
+    parts = [make(RANK, shape(i, RANK), "float32", ("gga", i)) for i in range(4)]
+    got = hvd.grouped_allgather([to_device(p, dev) for p in parts], name=f"{dev}.gag")
+    for i, g in enumerate(got):
+        want = np.concatenate([make(r, shape(i, r), "float32", ("gga", i)) for r in range(SIZE)])
+        np.testing.assert_array_equal(to_host(g, dev), want)
+    weights = [make(RANK, s, "int64", ("gbw", i)) for i, s in enumerate([(4, 3), (), (7,)])]
+    handles = [hvd.broadcast_async(to_device(w, dev), 0, name=f"{dev}.gbw.{i}")
+               for i, w in enumerate(weights)]
+    for i, (h, w) in enumerate(zip(handles, weights)):
+        np.testing.assert_array_equal(to_host(hvd.synchronize(h), dev),
+                                      make(0, w.shape, "int64", ("gbw", i)))
+    full = [(7, 2), (1,), (SIZE * 2, 3)]
+    xs = [make(RANK, s, "float32", ("grs", i)) for i, s in enumerate(full)]
+    got = hvd.grouped_reducescatter([to_device(x, dev) for x in xs], op=hvd.Sum, name=f"{dev}.grs",
+                                    prescale_factor=0.5)
+    for i, (g, s) in enumerate(zip(got, full)):
+        total = reference(hvd.Sum, [make(r, s, "float32", ("grs", i)) * np.float32(0.5)
+                                    for r in range(SIZE)], "float32")
+        base, extra = divmod(s[0], SIZE)
+        start = RANK * base + min(RANK, extra)
+        assert_close(to_host(g, dev), total[start:start + base + (1 if RANK < extra else 0)], "float32")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES + ["bool"])
 def test_allgather_uneven_first_dim(dev, dtype):
     def part(r):
