@@ -12,16 +12,17 @@
 # environment (as on the GPU machines lent here, which start bare each time), else into
 # .venv-gpu, made to see the system's packages (VENV=1 or 0 to choose).
 #
-# Steps: the install, `horolite-run --check-build`, the GPU path's unit tests, the GPU matrix
+# Steps: the install, `horolite-run --check-build`, the GPU path's unit tests, the
+# benchmarks (the GPU rows of bench/step_allreduce.py for ResNet-50 and BERT-base,
+# bench/gpu_allreduce.py at np 1, NCCL against a device copy, and at np 2, staged against the
+# host path plus two copies, bench/gpu_batch_python.py), then the GPU matrix
 # (tests/test_matrix_gpu.py: np 1 over NCCL, np 2 staged as users run it, np 2 and 4 over NCCL
-# with the test-only shared-GPU switch; MATRIX=all for np 1-4 both ways, ~15 min), then the
-# benchmarks: the GPU rows of bench/step_allreduce.py (ResNet-50, BERT-base) and
-# bench/gpu_allreduce.py at np 1 (NCCL against a device copy) and np 2 (staged against the
-# host path plus two copies), each with its targets met or missed, printed at the end. Logs
-# and results go to $OUT (default ./gpu-checks-out). Exit status: the number of failed steps.
+# with the test-only shared-GPU switch, within MATRIX_SECONDS=300; MATRIX=all for np 1-4 both
+# ways). The benchmarks' tables and targets, met or missed, are printed at the end. Logs and
+# results go to $OUT (default ./gpu-checks-out). Exit status: the number of failed steps.
 #
 # With the device tool of this workplace: here `tools/gpu_checks.sh --download-wheels`, then
-# run `tools/gpu_checks.sh` there with carry ["gpu-wheels"] and timeout_s 480.
+# run `tools/gpu_checks.sh` there with carry ["gpu-wheels"] and timeout_s 600.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -101,11 +102,6 @@ step unit 120 "$PY" -m pytest -q -rs -p no:cacheprovider tests/unit/core/test_de
     tests/unit/core/test_device_kernels.py tests/unit/core/test_staging.py \
     tests/unit/core/test_cuda_info.py tests/unit/execution tests/unit/api \
     tests/unit/test_expected_skips.py
-case "${MATRIX:-short}" in
-    all) matrix=() ;;
-    *) matrix=(-k "1-as-users-run or 2-as-users-run or 2-shared-gpu-nccl or 4-shared-gpu-nccl") ;;
-esac
-step gpu-matrix 900 "$PY" -m pytest -v -rs -p no:cacheprovider tests/test_matrix_gpu.py "${matrix[@]}"
 step bench-step 180 horolite-run -np 1 "$PY" bench/step_allreduce.py --device-only --no-tf \
     --models resnet50,bert_base --steps 24 --blocks 4 --no-plot --out "$OUT/step_gpu_np1.json"
 step bench-np1-nccl 180 horolite-run -np 1 "$PY" bench/gpu_allreduce.py --budget-mib 1024 \
@@ -113,6 +109,11 @@ step bench-np1-nccl 180 horolite-run -np 1 "$PY" bench/gpu_allreduce.py --budget
 step bench-np2-staged 180 horolite-run -np 2 "$PY" bench/gpu_allreduce.py --budget-mib 512 \
     --no-plot --out "$OUT/gpu_allreduce_np2.json"
 step bench-python 120 "$PY" bench/gpu_batch_python.py
+case "${MATRIX:-short}" in
+    all) matrix=() ;;
+    *) matrix=(-k "1-as-users-run or 2-as-users-run or 2-shared-gpu-nccl or 4-shared-gpu-nccl") ;;
+esac
+step gpu-matrix "${MATRIX_SECONDS:-300}" "$PY" -m pytest -v -rs -p no:cacheprovider tests/test_matrix_gpu.py "${matrix[@]}"
 echo
 for f in step_gpu_np1 gpu_allreduce_np1 gpu_allreduce_np2; do
     if [ -f "$OUT/$f.md" ]; then echo "== $f"; cat "$OUT/$f.md"; echo; fi
