@@ -220,6 +220,8 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
     arrays = list(arrays)
     if op == ReduceOp.ADASUM:
         # Each tensor has its own coefficients: the members go separately (they still fuse).
+        if borrowed:
+            arrays = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in arrays]
         return one_handle(base, [allreduce_async(a, op, f"{base}.{i}", prescale_factor,
                                                  postscale_factor, process_set=process_set)
                                  for i, a in enumerate(arrays)], rt)

@@ -18,8 +18,8 @@ from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, 
                       gloo_enabled, is_homogeneous, is_initialized, local_rank, local_size,
                       mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
                       shutdown, size, start_timeline, stop_timeline)
-from horolite.errors import (DuplicateNameError, HorovodInternalError, InvalidCollectiveError,
-                             ShutdownError, StallError, TensorMismatchError)
+from horolite.errors import (AdasumUnsupportedError, DuplicateNameError, HorovodInternalError,
+                             InvalidCollectiveError, ShutdownError, StallError, TensorMismatchError)
 from horolite.core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 from .compression import Compression
@@ -30,11 +30,12 @@ from .sync_batch_norm import SyncBatchNormalization
 from .gradients import GradientReducer, LocalAggregator, check_arguments
 from .api import (allreduce, grouped_allreduce, grouped_reducescatter,
                   handle_average_backwards_compatibility, reducescatter)
-from .mpi_ops import (allgather, alltoall, barrier, broadcast, grouped_allgather, join,
-                      local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
+from .mpi_ops import (allgather, alltoall, barrier, broadcast, check_adasum, grouped_allgather,
+                      join, local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
 from .process_sets import (ProcessSet, add_process_set, check_process_set, global_process_set,
                            remove_process_set)
 from . import elastic, util
+from .adasum_optimizer import DistributedAdasumOptimizer
 from .wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
                                  SyncReplicasOptimizer)
 
@@ -55,6 +56,7 @@ __all__ = [
     "SyncBatchNormalization",
     "ModelAverageOptimizer", "ElasticAverageOptimizer", "SyncReplicasOptimizer",
     "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",
+    "AdasumUnsupportedError",
     "ShutdownError", "StallError",
 ]
 
@@ -252,6 +254,16 @@ def DistributedOptimizer(optimizer, name: Optional[str] = None, use_locking: boo
                          groups=None, process_set=global_process_set, scale_local_gradients: bool = True):
     """Horovod's DistributedOptimizer: a tf.compat.v1.train.Optimizer (legacy, graph or eager)
     or a Keras optimizer (then see horolite.tensorflow.keras.DistributedOptimizer)."""
+    if ReduceOp(op) == ReduceOp.ADASUM:  # Horovod's rules for Adasum
+        if average_aggregated_gradients:
+            raise ValueError("Adasum does not support average_aggregated_gradients == True")
+        if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+            raise ValueError("op == Adasum is not supported yet with Keras (use "
+                             "horolite.tensorflow.keras.DistributedOptimizer, which reduces the "
+                             "gradients with Adasum)")
+        check_adasum(process_set)  # (NotImplementedError: a process set, a count not 2^k)
+        return DistributedAdasumOptimizer(optimizer, name, use_locking, compression,
+                                          backward_passes_per_step)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         return _DistributedOptimizer(optimizer, name, use_locking, compression, sparse_as_dense,
                                      backward_passes_per_step, op, gradient_predivide_factor,

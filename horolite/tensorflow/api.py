@@ -7,7 +7,7 @@ means Average; `average` is Horovod's deprecated spelling (both at once is a
 ValueError). tf.IndexedSlices are reduced as Horovod does: two allgathers
 (values and indices), the values divided by size() for Average (integer values
 then become float64, as with Horovod's `values / size`); Min, Max, Product and
-Adasum raise NotImplementedError. Devices are TensorFlow's to choose here:
+Adasum raise NotImplementedError (dense tensors take Adasum: horolite/transport/adasum.py). Devices are TensorFlow's to choose here:
 `device_dense`/`device_sparse` place the ops as in Horovod.
 """
 from __future__ import annotations
@@ -44,8 +44,9 @@ def handle_average_backwards_compatibility(op, average):
 
 def _check_sparse_op(op, prescale_factor, postscale_factor) -> None:
     if ReduceOp(op) == ReduceOp.ADASUM:
-        raise NotImplementedError("The Adasum reduction does not support sparse tensors (and horolite "
-                                  "has no Adasum); pass sparse_as_dense=True to DistributedOptimizer")
+        raise NotImplementedError("The Adasum reduction does not currently support sparse tensors. "
+                                  "As a workaround please pass sparse_as_dense=True to "
+                                  "DistributedOptimizer")
     if ReduceOp(op) not in (ReduceOp.SUM, ReduceOp.AVERAGE):
         raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
     if prescale_factor != 1.0 or postscale_factor != 1.0:

@@ -22,7 +22,7 @@ from horolite.core.ops import ReduceOp
 from .compression import Compression
 from .functions import variable_name, variable_ref
 from .bridge import _enqueue, graph_unique_name, grouped_allreduce_submit, run_alone, wait
-from .mpi_ops import _check_op
+from .mpi_ops import _check_op, check_adasum
 from .process_sets import check_process_set, global_process_set, reduces_here, set_size
 
 __all__ = ["GradientReducer", "LocalAggregator", "check_arguments"]
@@ -46,6 +46,8 @@ class GradientReducer:
                  op=ReduceOp.AVERAGE, gradient_predivide_factor: float = 1.0, num_groups=None,
                  groups=None, scale_local_gradients: bool = True, process_set=global_process_set):
         self.op = check_arguments(op, gradient_predivide_factor)
+        if self.op == ReduceOp.ADASUM:
+            check_adasum(process_set)
         self.name = name
         # Gradients are reduced over this set; on a rank outside it (or a set of one
         # rank) they stay local, as in Horovod.

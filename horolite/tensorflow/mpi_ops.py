@@ -31,14 +31,28 @@ def _as_tensor(tensor) -> tf.Tensor:
     return tf.convert_to_tensor(tensor)
 
 
-def _check_op(op) -> ReduceOp:
+def _check_op(op, process_set=None) -> ReduceOp:
+    """The ReduceOp; for Adasum also Horovod's rules, given the process set (None: later)."""
     try:
         op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"unknown reduce op {op!r}") from None
-    if op == ReduceOp.ADASUM:
-        raise ValueError("Adasum is not supported by horolite; use Average or Sum")
+    if op == ReduceOp.ADASUM and process_set is not None:
+        check_adasum(process_set)
     return op
+
+
+def check_adasum(process_set) -> None:
+    """Horovod's NotImplementedErrors for Adasum, raised before any op exists (the class
+    exactly, so a tf.function re-raises it as it is): a process set other than the global
+    one, a number of ranks that is not a power of two."""
+    if getattr(process_set, "process_set_id", 0) != 0:
+        raise NotImplementedError(f"Adasum does not support non-global process sets yet "
+                                     f"(got {process_set})")
+    n = _core.size()
+    if n & (n - 1):
+        raise NotImplementedError(f"Running Adasum with non-power of 2 ranks is not supported "
+                                     f"yet: this job has {n} ranks (1, 2, 4, 8... can run it)")
 
 
 def _allreduce_raw(x: tf.Tensor, name, op, pre, post, process_set=global_process_set) -> tf.Tensor:
@@ -69,7 +83,7 @@ def _allreduce(tensor, op=Average, compression=None, prescale_factor: float = 1.
     `mpi_ops._allreduce`; `horolite.tensorflow.allreduce` is the public form)."""
     from .compression import Compression
     compression = compression or Compression.none
-    op = _check_op(op)
+    op = _check_op(op, process_set)
     tensor = _as_tensor(tensor)
     name = _resolve_name(name, "HorovodAllreduce", tensor)
     compressed, ctx = compression.compress(tensor)
@@ -84,7 +98,7 @@ def _grouped_allreduce(tensors, op=Average, compression=None, prescale_factor: f
     """Allreduce a list of dense tensors as one group (they negotiate and fuse together)."""
     from .compression import Compression
     compression = compression or Compression.none
-    op = _check_op(op)
+    op = _check_op(op, process_set)
     tensors = [_as_tensor(t) for t in tensors]
     if not tensors:
         return []

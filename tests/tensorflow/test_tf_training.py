@@ -255,8 +255,8 @@ def test_constructor_errors():
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Sum,
                                  gradient_predivide_factor=2.0)
-    with pytest.raises(ValueError, match="Adasum"):
-        hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum, gradient_predivide_factor=2.0)
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), backward_passes_per_step=0)
 
