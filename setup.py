@@ -26,7 +26,7 @@ setup(
     packages=find_packages(include=["horolite", "horolite.*"]) + ["horolite.launcher"],
     package_dir={"horolite.launcher": "launcher"},
     # the native TensorFlow wait op's source, compiled on first use (tensorflow/native_ops.py)
-    package_data={"horolite.tensorflow": ["async_wait.cc"]},
+    package_data={"horolite.tensorflow": ["async_wait.cc", "enqueue_op.cc"]},
     setup_requires=["cffi>=1.15"],
     cffi_modules=["native/build_native.py:ffibuilder"],
     install_requires=[

@@ -40,6 +40,10 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
                      size_t count, int dtype, size_t itemsize, int op, double postscale,
                      int64_t epoch, int64_t *state, double timeout_s, int polite,
                      int64_t *blocks);
+typedef struct { uint32_t set; uint32_t waiters; } hl_wake;
+void hl_wake_set(void *wake);
+void hl_wake_clear(hl_wake *wake);
+int hl_wake_wait(hl_wake *wake, double timeout_s);
 """
 
 
@@ -65,10 +69,10 @@ def make_builder(relative):
     builder.cdef(CDEF)
     builder.set_source(
         "horolite._native",
-        '#include "kernels.h"\n#include "shm_ring.h"',
-        sources=[path("kernels.c"), path("shm_ring.c")],
+        '#include "kernels.h"\n#include "shm_ring.h"\n#include "wake.h"',
+        sources=[path("kernels.c"), path("shm_ring.c"), path("wake.c")],
         include_dirs=[path()],
-        depends=[path("kernels.h"), path("kernels_impl.h"), path("shm_ring.h")],
+        depends=[path("kernels.h"), path("kernels_impl.h"), path("shm_ring.h"), path("wake.h")],
         extra_compile_args=_CFLAGS,
     )
     return builder

@@ -7,7 +7,6 @@ arrives. A name already in flight is refused at submit time.
 from __future__ import annotations
 
 import threading
-from _thread import allocate_lock
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -16,46 +15,9 @@ import numpy as np
 from ..errors import DuplicateNameError
 from ..core.handle import Handle
 from ..core.messages import Request
+from ..core.wake import Wake
 
 __all__ = ["Entry", "TensorQueue", "Wake"]
-
-
-class Wake:
-    """threading.Event's set/is_set/clear/wait on one bare lock, held while unset.
-
-    A small allreduce hands work to the background thread and back once each: Event's
-    wait builds a Condition and a lock every time, which costs a few microseconds on
-    both sides of every hand-off; acquiring a released lock costs next to nothing."""
-    __slots__ = ("_lock", "_set")
-
-    def __init__(self):
-        self._lock = allocate_lock()
-        self._lock.acquire()
-        self._set = False
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def set(self) -> None:
-        if not self._set:
-            self._set = True
-            try:
-                self._lock.release()
-            except RuntimeError:  # another thread's set() released it first
-                pass
-
-    def clear(self) -> None:
-        # set() between these two lines leaves _set True with the lock held: wait()
-        # reads _set first, so that wake-up is not lost.
-        self._set = False
-        self._lock.acquire(False)
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        if self._set:
-            return True
-        if self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            self._lock.release()  # still set for any other waiter, until clear()
-        return self._set
 
 
 @dataclass(slots=True)
@@ -90,6 +52,10 @@ class TensorQueue:
         # result decided before the other ranks left) and returns True, or False.
         self.after_close: Optional[Callable[[Entry], bool]] = None
         self.wake = Wake()
+        # Set on the global runtime's queue when native code queues work for it too
+        # (runtime/registry.add_intake): its take() submits what it finds, first thing in
+        # each take_new on the background thread; pending() says whether more came since.
+        self.intake = None
 
     def submit(self, entry: Entry) -> Handle:
         name = entry.request.name
@@ -112,10 +78,15 @@ class TensorQueue:
         return bool(self._inflight)
 
     def take_new(self) -> List[Entry]:
+        intake = self.intake
+        if intake is not None:
+            intake.take()
         with self._lock:
             new, self._new = self._new, []
             self.wake.clear()
-            return new
+        if intake is not None and intake.pending():
+            self.wake.set()  # queued natively between take() and clear(): not slept through
+        return new
 
     def get(self, name: str) -> Optional[Entry]:
         with self._lock:

@@ -23,11 +23,29 @@ class Entry:
 
 table: Dict[int, Entry] = {}  # process_set_id -> entry; 0 is the global set
 _global = None
+# Native producers of work for the global runtime (the TensorFlow enqueue op's intake):
+# each is attached to the global runtime's queue while there is one.
+_intakes: list = []
 
 
 def set_global(runtime) -> None:
     global _global
-    _global = runtime
+    old, _global = _global, runtime
+    for intake in list(_intakes):
+        if runtime is not None:
+            intake.attach(runtime.queue)
+        elif old is not None:
+            from ..errors import ShutdownError
+            intake.detach(ShutdownError("horolite was shut down before this collective started"))
+
+
+def add_intake(intake) -> None:
+    """intake.attach(queue) now if a global runtime is up, and at every init; intake.detach(error)
+    at every shutdown."""
+    with lock:
+        _intakes.append(intake)
+        if _global is not None:
+            intake.attach(_global.queue)
 
 
 def current():

@@ -1,7 +1,7 @@
 // horolite's asynchronous wait op for TensorFlow graphs (built on first use by
-// native_ops.py against the installed TensorFlow). The enqueue op, a Python
-// op, hands a tensor to the runtime; when the runtime finishes it, Python calls
-// horolit_complete() with the results or an error code. The wait op holds no
+// native_ops.py against the installed TensorFlow, with enqueue_op.cc). The
+// enqueue op hands a tensor to the runtime; when the runtime finishes it, Python
+// calls horolit_complete() with the results or an error code. The wait op holds no
 // TensorFlow thread meanwhile (an AsyncOpKernel), and fails with the error
 // class the code names, which a Python op cannot choose.
 // Results 64-byte aligned and marked borrowed (a nonzero token) become the op's
@@ -147,7 +147,11 @@ REGISTER_OP("HorolitAsyncWait")
     .Input("handle: int64")
     .Output("outputs: T")
     .Attr("T: list(type) >= 1")
-    .SetIsStateful()
+    // Not stateful: tf.function would otherwise run every stateful op in program order,
+    // each enqueue after the previous collective's wait (one collective at a time). The
+    // enqueue ops are stateful (they must run, in program order, and never block); a
+    // wait runs when its enqueue has, and is never folded or merged (its input is an id
+    // no other op has).
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->UnknownShape());
       return absl::OkStatus();
@@ -176,8 +180,10 @@ class HorolitAsyncWaitOp : public AsyncOpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("HorolitAsyncWait").Device(DEVICE_CPU), HorolitAsyncWaitOp);
 
+extern "C" void horolit_drop_inputs(int64_t hid);  // enqueue_op.cc
+
 extern "C" {
-// Called (through ctypes) when handle `hid` finishes: code 0 with n results
+// Called (through cffi) when handle `hid` finishes: code 0 with n results
 // (TensorFlow dtype enums, bytes, shapes), or a TensorFlow error code and message.
 // token 0: the bytes are copied into the wait op's outputs if it already runs, else
 // kept. Otherwise Python keeps the data valid until horolit_released() returns token,
@@ -202,11 +208,15 @@ void horolit_complete(int64_t hid, int code, const char* message, int n, const i
     if (it == waiting.end()) {
       if (!r.keep) r.Own();
       finished[hid] = std::move(r);
-      return;
+      w.ctx = nullptr;
+    } else {
+      w = std::move(it->second);
+      waiting.erase(it);
     }
-    w = std::move(it->second);
-    waiting.erase(it);
   }
+  // The collective is done with its inputs (the native enqueue op's, if it had them).
+  horolit_drop_inputs(hid);
+  if (w.ctx == nullptr) return;
   Deliver(w.ctx, r);
   w.done();
 }

@@ -44,9 +44,26 @@ from horolite.errors import HorovodInternalError, NotInitializedError
 from horolite.core.ops import Average, ReduceOp
 
 from . import gpu_route, native_ops
+from .intake import intake_for, submit_to_wait_op
 
 __all__ = ["enqueue_allreduce", "enqueue_grouped_allreduce", "grouped_allreduce_submit", "wait",
            "run_alone", "to_tf_error", "graph_unique_name"]
+
+def _leave_to_python() -> None:
+    """Keep AutoGraph out of horolite's own code, as TensorFlow keeps it out of Keras and
+    NumPy. Called inside a tf.function, AutoGraph would otherwise convert every function
+    horolite calls while tracing (warning about those it cannot, os.makedirs among them),
+    and the submit functions the background thread later runs for each collective would
+    run as converted code: milliseconds of AutoGraph's bookkeeping per call."""
+    try:
+        from tensorflow.python.autograph.core import config
+    except ImportError:  # (a TensorFlow without this module: it converts, and warns)
+        return
+    if not any(getattr(rule, "_prefix", None) == "horolite" for rule in config.CONVERSION_RULES):
+        config.CONVERSION_RULES = (config.DoNotConvert("horolite"),) + tuple(config.CONVERSION_RULES)
+
+
+_leave_to_python()
 
 # handle id -> horolite.Handle, between an enqueue op and its wait op.
 _handles = {}
@@ -170,43 +187,28 @@ def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor], copy: bool = True):
         return _guarded(fn)(*[np.asarray(t) for t in tensors])
     else:
         native = native_ops.load()
-
-        def fn(*arrays):
-            arrays = [np.array(a, copy=True) for a in arrays] if copy else arrays
-            if native is None:
-                return _store(submit(*arrays))
-            return _submit_native(native, submit, arrays)
-        hid = tf.numpy_function(fn, list(tensors), tf.int64, stateful=True, name="HorolitEnqueue")
+        if native is not None and all(_native_dtype(t.dtype) for t in tensors):
+            # No Python on TensorFlow's thread, no copy: the op keeps the tensors until
+            # the collective is done, and the background thread reads them (intake.py).
+            hid = native.enqueue(tensors, intake_for(native).register(submit))
+        else:
+            def fn(*arrays):
+                arrays = [np.array(a, copy=True) for a in arrays] if copy else arrays
+                if native is None:
+                    return _store(submit(*arrays))
+                hid = next(_ids)  # the native wait op waits for it (intake.submit_to_wait_op)
+                submit_to_wait_op(native, hid, submit, arrays)
+                return np.int64(hid)
+            hid = tf.numpy_function(fn, list(tensors), tf.int64, stateful=True,
+                                    name="HorolitEnqueue")
     hid.set_shape([])
     return hid
 
 
-def _submit_native(native, submit: Callable, arrays) -> np.int64:
-    """Submit for the native wait op: the handle's results (or the error, even one raised
-    at submission) reach the op through native.complete/fail."""
-    hid = next(_ids)
-    native.drain()  # the previous step's results, once TensorFlow is done with them
-    try:
-        handle = submit(*arrays)
-    except (HorovodInternalError, NotInitializedError) as e:
-        native.fail(hid, e)
-        return np.int64(hid)
-
-    def deliver(h):
-        try:
-            result = h.result()
-        except BaseException as e:  # the runtime's error travels to the wait op
-            native.fail(hid, e)
-            return
-        if isinstance(result, (list, tuple)):
-            arrays, dims = list(result), h.first_dims
-        else:
-            arrays, dims = [result], None if h.first_dims is None else [h.first_dims]
-        if dims is not None:  # allgathers: every rank's first dimension too (see wait)
-            arrays += [np.asarray(d, np.int64) for d in dims]
-        native.complete(hid, [np.asarray(a) for a in arrays])
-    handle.add_done_callback(deliver)
-    return np.int64(hid)
+def _native_dtype(dtype: tf.DType) -> bool:
+    """What the native enqueue op hands over: fixed-size elements (strings go through the
+    Python op, and are refused there as before)."""
+    return dtype != tf.string and dtype.is_numpy_compatible
 
 
 def _nccl_active() -> bool:

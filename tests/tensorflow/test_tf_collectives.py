@@ -35,8 +35,9 @@ def test_the_wait_op_in_graphs_is_the_one_this_run_expects(mode):
         with graph.as_default():
             hvd.allreduce(tf.constant(value(R)), op=hvd.Sum)
     types = {op.type for op in graph.get_operations()}
-    if NATIVE:  # (the enqueue stays a Python op; the wait is the native one)
-        assert "HorolitAsyncWait" in types, types
+    if NATIVE:  # both native: no Python op runs on TensorFlow's threads
+        assert {"HorolitEnqueue", "HorolitAsyncWait"} <= types, types
+        assert not types & {"PyFunc", "EagerPyFunc"}, types
     else:
         assert "HorolitAsyncWait" not in types and types & {"PyFunc", "EagerPyFunc"}, types
     np.testing.assert_array_equal(run(mode, lambda t: hvd.allreduce(t, op=hvd.Sum), value(R)),

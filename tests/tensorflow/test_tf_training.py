@@ -209,7 +209,10 @@ def test_graph_step_request_ops(case):
         assert g.dtype == s.dtype.as_numpy_dtype and g.shape == tuple(s.shape)
         np.testing.assert_allclose(g, e, **tol)
     ops = grads.get_concrete_function().graph.get_operations()
-    names = [op.name for op in ops if op.type in ("PyFunc", "EagerPyFunc", "HorolitAsyncWait")]
+    names = [op.name for op in ops
+             if op.type in ("PyFunc", "EagerPyFunc", "HorolitAsyncWait", "HorolitEnqueue")]
+    if NATIVE:  # no Python op at all: the native enqueue and wait ops
+        assert not [op for op in ops if op.type in ("PyFunc", "EagerPyFunc")], names
     if case == "two_groups" or NATIVE:
         # (with the native wait op, a wait holds no thread: always an enqueue and a wait)
         groups = 2 if case == "two_groups" else 1

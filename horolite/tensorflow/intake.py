@@ -1,0 +1,154 @@
+"""The background thread's side of the native enqueue op.
+
+An enqueue op (enqueue_op.cc) queues its inputs in C and wakes the global
+runtime's background thread. At the start of its next cycle that thread takes
+the queued items (`Intake.take`, the queue's intake), reads each input where
+TensorFlow keeps it (no copy: the op holds the tensors until the collective is
+done), and submits it as the op's spec says. When the handle is done its
+results, or its error, go to the wait op (native_ops.NativeOps.complete/fail),
+which also releases the inputs. Python runs on the background thread, never on
+TensorFlow's.
+
+A spec is the submit function of one enqueue op in a graph, registered when the
+op is built: `register(submit) -> spec id`, the op's attribute.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Callable, Dict, List
+
+import numpy as np
+import tensorflow as tf
+
+from horolite.errors import HorovodInternalError, NotInitializedError
+from horolite.runtime import registry
+
+from .native_ops import NativeOps
+
+__all__ = ["Intake", "intake_for", "submit_to_wait_op"]
+
+_log = logging.getLogger("horolite.tensorflow")
+
+
+def _python_op_code(exc: BaseException) -> int:
+    """The status a Python op raising exc failed with (what TensorFlow's py_func picks)."""
+    return 3 if isinstance(exc, (TypeError, ValueError)) else 2
+
+
+class Intake:
+    def __init__(self, native: NativeOps):
+        self.native = native
+        self._specs: Dict[int, Callable] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._dtypes: Dict[int, np.dtype] = {}
+        self._buffer = native.ffi.buffer
+        self._unpack = native.ffi.unpack
+        self._queue = None
+        registry.add_intake(self)
+
+    def register(self, submit: Callable) -> int:
+        """A spec id for an enqueue op whose inputs go to submit(*arrays) -> Handle."""
+        with self._lock:
+            spec = next(self._ids)
+            self._specs[spec] = submit
+        return spec
+
+    # ---- the runtime's side (registry.add_intake) ----
+    def attach(self, queue) -> None:
+        """Feed `queue` (the global runtime's, at init): its wake-up is what the ops ring."""
+        self._queue = queue
+        queue.intake = self
+        self.native.set_ring(queue.wake.address, queue.wake.set_function())
+
+    def detach(self, error: BaseException) -> None:
+        """The global runtime is gone: ops fail from now on, and so do items still queued."""
+        self.native.set_ring(0, 0)
+        queue, self._queue = self._queue, None
+        if queue is not None:
+            queue.intake = None
+        for item in self.native.take():
+            self.native.fail(item.hid, error)
+
+    def take(self) -> None:
+        """Submit what the ops queued (on the background thread, once per cycle)."""
+        items = self.native.take()
+        if not items:
+            return
+        native = self.native
+        native.drain()  # results TensorFlow is done with, back to the output pool
+        specs = self._specs
+        for item in items:
+            try:
+                arrays = self._arrays(item)
+            except BaseException as e:  # noqa: BLE001 - every error goes to the wait op
+                native.fail(item.hid, e, _python_op_code(e))
+                continue
+            submit_to_wait_op(native, item.hid, specs[item.spec], arrays)
+
+    def pending(self) -> bool:
+        return bool(self.native.lib.horolit_pending())
+
+    def _arrays(self, item) -> List[np.ndarray]:
+        """The op's inputs as NumPy arrays on TensorFlow's memory."""
+        arrays, offset = [], 0
+        buffer, unpack, dtypes = self._buffer, self._unpack, self._dtypes
+        for i in range(item.n):
+            ndim = item.ndims[i]
+            shape = tuple(unpack(item.dims + offset, ndim)) if ndim else ()
+            offset += ndim
+            code = item.dtypes[i]
+            dtype = dtypes.get(code)
+            if dtype is None:
+                dtype = dtypes[code] = np.dtype(tf.dtypes.as_dtype(code).as_numpy_dtype)
+            nbytes = item.nbytes[i]
+            if nbytes:
+                arrays.append(np.frombuffer(buffer(item.data[i], nbytes), dtype).reshape(shape))
+            else:
+                arrays.append(np.empty(shape, dtype))
+        return arrays
+
+
+def submit_to_wait_op(native: NativeOps, hid: int, submit: Callable, arrays) -> None:
+    """submit(*arrays); the handle's results, or the error (even one raised by submit),
+    reach wait op hid. Errors other than the runtime's fail it with the status a Python
+    op raising them would have had."""
+    try:
+        handle = submit(*arrays)
+    except (HorovodInternalError, NotInitializedError) as e:
+        native.fail(hid, e)
+        return
+    except Exception as e:  # noqa: BLE001 - on the background thread: never raised there
+        native.fail(hid, e, _python_op_code(e))
+        return
+    handle.add_done_callback(lambda h: _deliver(native, hid, h))
+
+
+def _deliver(native: NativeOps, hid: int, handle) -> None:
+    try:
+        result = handle.result()
+    except BaseException as e:  # noqa: BLE001 - the runtime's error travels to the wait op
+        native.fail(hid, e)
+        return
+    if isinstance(result, (list, tuple)):
+        arrays, dims = list(result), handle.first_dims
+    else:
+        arrays, dims = [result], None if handle.first_dims is None else [handle.first_dims]
+    if dims is not None:  # allgathers: every rank's first dimension too (see bridge.wait)
+        arrays += [np.asarray(d, np.int64) for d in dims]
+    native.complete(hid, [np.asarray(a) for a in arrays])
+
+
+_intake = None
+_intake_lock = threading.Lock()
+
+
+def intake_for(native: NativeOps) -> Intake:
+    """The process's one intake (made on first use)."""
+    global _intake
+    with _intake_lock:
+        if _intake is None:
+            _intake = Intake(native)
+        return _intake
