@@ -14,6 +14,7 @@ LAYOUTS = {"2x1": "hl-a:1,hl-b:1", "2x2": "hl-a:2,hl-b:2", "3x1": "hl-a:1,hl-b:1
            "3x2": "hl-a:2,hl-b:2,hl-c:2", "1-2-1": "hl-a:1,hl-b:2,hl-c:1"}
 COLLECTIVES = os.path.join(ROOT, "tests", "parallel", "test_collectives.py")
 TOPOLOGY = os.path.join(ROOT, "tests", "multihost", "ranks", "topology.py")
+ADASUM = os.path.join(ROOT, "tests", "parallel", "test_adasum.py")
 
 
 # 2x2 with the hierarchical path (transport/hierarchical.py) on (the default), forced off, and
@@ -26,7 +27,12 @@ CASES = [("2x1", {}), ("2x2", {}), ("2x2", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "
 @pytest.mark.parametrize("layout, env", CASES, ids=lambda c: c if isinstance(c, str) else
                          ",".join(f"{k}={v}" for k, v in c.items()) or "auto")
 def test_collectives_and_topology_across_hosts(bed, no_leftovers, layout, env):
-    run_pytest_across(bed, LAYOUTS[layout], COLLECTIVES, pytest_args=[TOPOLOGY],
+    args = [TOPOLOGY]
+    if layout in ("2x1", "2x2") and not env:
+        # Adasum's pairs within a host and across hosts (its file makes a process set)
+        args.append(ADASUM)
+        env = dict(env, HOROLITE_DYNAMIC_PROCESS_SETS="1")
+    run_pytest_across(bed, LAYOUTS[layout], COLLECTIVES, pytest_args=args,
                       env=dict(env, HOROLITE_TEST_LAYOUT=LAYOUTS[layout]))
 
 
