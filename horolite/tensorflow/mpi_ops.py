@@ -16,7 +16,7 @@ from horolite.core.ops import Average, ReduceOp
 
 from .horovod_basics import HorovodBasics
 from .process_sets import check_process_set, global_process_set, set_rank, set_size
-from .bridge import (_enqueue, _guarded, _resolve_name, _run, enqueue_grouped_allreduce,
+from .bridge import (_enqueue, _guarded, _resolve_name, _run, enqueue_grouped_allreduce, recording,
                      to_tf_error, wait)
 
 __all__ = ["allgather", "broadcast", "alltoall", "join", "barrier", "size_op", "rank_op",
@@ -65,6 +65,9 @@ def _grad_name(name: Optional[str]) -> Optional[str]:
 
 
 def _allreduce_dense(tensor: tf.Tensor, op, name, pre, post, process_set=global_process_set) -> tf.Tensor:
+    if not recording([tensor]):
+        return _allreduce_raw(tensor, name, op, pre, post, process_set)
+
     @tf.custom_gradient
     def fn(x):
         y = _allreduce_raw(x, name, op, pre, post, process_set)
