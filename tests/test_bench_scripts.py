@@ -176,3 +176,10 @@ def test_step_allreduce(tmp_path):
     names = {t["name"] for t in doc["targets"]}
     assert any(n.startswith("ResNet-50 step, grouped: time / one tensor") for n in names)
     assert any(n.startswith("DistributedGradientTape (tf.function): throughput") for n in names)
+
+
+def test_adasum_step(tmp_path):
+    doc = run_bench("adasum_step", tmp_path)
+    for key in ("step_average_s", "step_adasum_s", "large_average_s", "large_adasum_s",
+                "step_adasum_over_average", "large_adasum_over_average"):
+        assert doc["results"][key] > 0, key
