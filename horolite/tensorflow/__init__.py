@@ -35,6 +35,7 @@ from .mpi_ops import (allgather, alltoall, barrier, broadcast, check_adasum, gro
 from .process_sets import (ProcessSet, add_process_set, check_process_set, global_process_set,
                            remove_process_set)
 from . import elastic, util
+from .util import check_num_rank_power_of_2, gpu_available, refs_to_vars, split_list, vars_to_refs
 from .adasum_optimizer import DistributedAdasumOptimizer
 from .wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
                                  SyncReplicasOptimizer)
@@ -49,7 +50,8 @@ __all__ = [
     "join", "barrier", "size_op", "rank_op", "local_size_op", "local_rank_op",
     "process_set_included_op", "Compression", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set", "handle_average_backwards_compatibility", "elastic",
-    "util",
+    "util", "gpu_available", "check_num_rank_power_of_2", "split_list", "vars_to_refs",
+    "refs_to_vars",
     "broadcast_variables", "broadcast_", "broadcast_object", "broadcast_object_fn", "allgather_object",
     "broadcast_global_variables", "BroadcastGlobalVariablesHook",
     "DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
