@@ -44,6 +44,17 @@ typedef struct { uint32_t set; uint32_t waiters; } hl_wake;
 void hl_wake_set(void *wake);
 void hl_wake_clear(hl_wake *wake);
 int hl_wake_wait(hl_wake *wake, double timeout_s);
+size_t hl_board_bytes(int n, int words, size_t mailbox);
+hl_wake *hl_board_doorbell(char *board, int n, int words, size_t mailbox, int q);
+uint64_t *hl_board_vector(char *board, int n, int words, size_t mailbox, int q, int parity);
+char *hl_board_mailbox(char *board, int n, int words, size_t mailbox, int q, int parity);
+int64_t hl_board_entered(char *board, int n, int words, size_t mailbox, int q);
+int hl_board_enter(char *board, int n, int words, size_t mailbox, int r, int64_t round);
+int hl_board_wait(char *board, int n, int words, size_t mailbox, int64_t round,
+                  double timeout_s, double spin_s);
+void hl_board_or(char *board, int n, int words, size_t mailbox, int64_t round, uint64_t *out);
+void hl_board_wake_set(void *wake);
+int hl_board_wake_wait(hl_wake *wake, double timeout_s);
 """
 
 
@@ -69,10 +80,11 @@ def make_builder(relative):
     builder.cdef(CDEF)
     builder.set_source(
         "horolite._native",
-        '#include "kernels.h"\n#include "shm_ring.h"\n#include "wake.h"',
-        sources=[path("kernels.c"), path("shm_ring.c"), path("wake.c")],
+        '#include "kernels.h"\n#include "shm_ring.h"\n#include "wake.h"\n#include "shm_board.h"',
+        sources=[path("kernels.c"), path("shm_ring.c"), path("wake.c"), path("shm_board.c")],
         include_dirs=[path()],
-        depends=[path("kernels.h"), path("kernels_impl.h"), path("shm_ring.h"), path("wake.h")],
+        depends=[path("kernels.h"), path("kernels_impl.h"), path("shm_ring.h"), path("wake.h"),
+                 path("shm_board.h")],
         extra_compile_args=_CFLAGS,
     )
     return builder

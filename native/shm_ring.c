@@ -1,6 +1,7 @@
 /* The shared-memory allreduce: see shm_ring.h for the algorithm. */
 #include "shm_ring.h"
 #include "kernels.h"
+#include "shm_board.h"
 
 #include <string.h>
 #include <time.h>
@@ -8,16 +9,10 @@
 #ifdef _WIN32
 #include <windows.h>
 static void hl_yield(void) { SwitchToThread(); }
-static void hl_sleep_ns(long ns) { Sleep(ns >= 1000000 ? (DWORD)(ns / 1000000) : 0); }
 static double hl_now(void) { return (double)GetTickCount64() / 1e3; }
 #else
 #include <sched.h>
 static void hl_yield(void) { sched_yield(); }
-static void hl_sleep_ns(long ns)
-{
-    struct timespec ts = {0, ns};
-    nanosleep(&ts, NULL);
-}
 static double hl_now(void)
 {
     struct timespec ts;
@@ -102,41 +97,53 @@ static const char *input_at(const struct input *in, size_t at, size_t len, char 
 }
 
 static int64_t load_counter(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-static void store_counter(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+/* The bell every counter store rings (rank 0's header): a rank that has waited past
+ * its spin sleeps on it until a store it may be waiting for (shm_board.h). */
+static uint32_t *bell(int64_t *const *headers) { return (uint32_t *)&headers[0][HL_SHM_BELL]; }
+static uint32_t *bell_sleepers(int64_t *const *headers)
+{
+    return (uint32_t *)&headers[0][HL_SHM_BELL + 1];
+}
+
+static void store_counter(int64_t *const *headers, int r, int word, int64_t v)
+{
+    __atomic_store_n(&headers[r][word], v, __ATOMIC_SEQ_CST);
+    hl_bell_ring(bell(headers), bell_sleepers(headers));
+}
 
 /* Until every rank's counter `word` is >= want: 0, or 1 once `deadline` passed.
  * A partner that is running answers within microseconds, so spin first; then
- * give the core away, more and more patiently (ranks may outnumber cores). */
+ * give the core away a while (ranks may outnumber cores); then sleep on the bell
+ * until the next counter store wakes this rank (never a timed sleep). */
 static int wait_all(int64_t *const *headers, int n, int word, int64_t want, double deadline,
                     int polite)
 {
-    const double spin_s = polite ? 2e-6 : 100e-6, yield_s = polite ? 200e-6 : 1e-3;
-    long pause_ns = polite ? 5000 : 20000;
+    const double spin_s = polite ? 2e-6 : 50e-6, yield_s = polite ? 100e-6 : 200e-6;
     double start = 0.0, elapsed = 0.0;
     for (unsigned iter = 0;; iter++) {
+        const uint32_t seen = __atomic_load_n(bell(headers), __ATOMIC_SEQ_CST);
         int q = 0;
         while (q < n && load_counter(&headers[q][word]) >= want)
             q++;
         if (q == n)
             return 0;
-        if ((iter & 31) == 0) {
+        if ((iter & 31) == 0 || elapsed >= yield_s) {
             double now = hl_now();
             if (iter == 0)
                 start = now;
             elapsed = now - start;
             if (now > deadline)
                 return 1;
+            if (elapsed >= yield_s) {
+                hl_bell_sleep(bell(headers), bell_sleepers(headers), seen, deadline - now);
+                continue;
+            }
         }
-        if (elapsed < spin_s) {
+        if (elapsed < spin_s)
             HL_RELAX();
-        } else if (elapsed < yield_s) {
+        else
             hl_yield();
-        } else {
-            hl_sleep_ns(pause_ns);
-            if (pause_ns < 100000)
-                pause_ns *= 2;
-            iter = (iter | 31); /* look at the clock after every sleep */
-        }
     }
 }
 
@@ -265,7 +272,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
             if (wait_all(headers, n, HL_SHM_GATHERED, kk - nslots + 1, deadline, polite))
                 return 1;
             read_input(slots[r] + off, &in, 0, count); /* every part, in order */
-            store_counter(&headers[r][HL_SHM_STAGED], kk + 1);
+            store_counter(headers, r, HL_SHM_STAGED, kk + 1);
             state[0] = 1;
             state[1] = HL_SHM_ONE_SHOT;
         }
@@ -276,8 +283,8 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
             if ((rc = hl_reduce(out, slots[q] + off, count, dtype, op,
                                 q == n - 1 ? postscale : 1.0)) < 0)
                 return rc;
-        store_counter(&headers[r][HL_SHM_REDUCED], kk + 1);
-        store_counter(&headers[r][HL_SHM_GATHERED], kk + 1); /* done reading the slots */
+        store_counter(headers, r, HL_SHM_REDUCED, kk + 1);
+        store_counter(headers, r, HL_SHM_GATHERED, kk + 1); /* done reading the slots */
         state[0] = 3;
         return 0;
     }
@@ -314,7 +321,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
                 if (len && (rc = reduce_shared(arenas, offsets, n, r, lo + a, len, dtype,
                                                itemsize, op, postscale, stream)) < 0)
                     return rc;
-                store_counter(&headers[r][HL_SHM_REDUCED], kk + 1);
+                store_counter(headers, r, HL_SHM_REDUCED, kk + 1);
             }
         } else if (phase == 0) {
             /* my slot held block kk - nslots: free once every rank is done with it,
@@ -328,7 +335,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
             size_t a = SEG(r), b = SEG(r + 1);
             read_input(mine, &in, lo, a);
             read_input(mine + b * itemsize, &in, lo + b, m - b);
-            store_counter(&headers[r][HL_SHM_STAGED], kk + 1);
+            store_counter(headers, r, HL_SHM_STAGED, kk + 1);
         } else if (phase == 1) {
             if (wait_all(headers, n, HL_SHM_STAGED, kk + 1, deadline, polite)) {
                 state[0] = pos;
@@ -384,7 +391,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
                 if (stream)
                     hl_streaming_done(); /* streaming stores are weakly ordered */
             }
-            store_counter(&headers[r][HL_SHM_REDUCED], kk + 1);
+            store_counter(headers, r, HL_SHM_REDUCED, kk + 1);
         } else if (state[1] == HL_SHM_GATHER) {
             if (wait_all(headers, n, HL_SHM_REDUCED, kk + 1, deadline, polite)) {
                 state[0] = pos;
@@ -397,7 +404,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
             }
             if (stream)
                 hl_streaming_done(); /* streaming stores are weakly ordered */
-            store_counter(&headers[r][HL_SHM_GATHERED], kk + 1);
+            store_counter(headers, r, HL_SHM_GATHERED, kk + 1);
         }
 #undef SEG
     }
@@ -406,7 +413,7 @@ int hl_shm_allreduce(int64_t *const *headers, char *const *slots, char *const *a
         /* my result is complete once every owner has written its last segment */
         if (wait_all(headers, n, HL_SHM_REDUCED, epoch + nblocks, deadline, polite))
             return 1;
-        store_counter(&headers[r][HL_SHM_GATHERED], epoch + nblocks);
+        store_counter(headers, r, HL_SHM_GATHERED, epoch + nblocks);
     }
     return 0;
 }

@@ -40,6 +40,9 @@
 #define HL_SHM_GATHERED 16
 #define HL_SHM_OUT_OFFSET 24
 #define HL_SHM_IN_PLACE 25
+/* In rank 0's header only: the bell every counter store rings (a uint32 counter),
+ * and how many ranks sleep on it (shm_board.h's hl_bell_*). */
+#define HL_SHM_BELL 28
 
 /* Calls of at most this many bytes go in one shot: each rank stages its whole
  * buffer and reduces all ranks' copies itself (one wait instead of two). */

@@ -124,13 +124,16 @@ def test_stall_shutdown_ends_the_job_at_its_time(tmp_path):
 @pytest.mark.parametrize("case,np_,shared_memory", [("sigstop-inside", 2, "1"),
                                                    ("sigstop-inside", 3, "1"),
                                                    ("sigstop-inside", 3, "0"),
-                                                   ("sigstop", 3, "0")])
+                                                   ("sigstop", 3, "0"),
+                                                   ("sigstop", 3, "1")])
 def test_a_frozen_rank_is_named_on_every_rank_and_ends_the_job(case, np_, shared_memory,
                                                                tmp_path):
     # sigstop-inside: frozen inside the data phase of a 32 MB allreduce (its peers wait for
     # its data); sigstop: frozen with a tensor its peers never submit (they wait in the
     # control message). Either way the peers name the rank they no longer hear from, not
     # the neighbour that waits for it too; what they were waiting in says which case it was.
+    # With shared memory the control message is a round of the board (control_board.py),
+    # whose futex waits come back to hear heartbeats and to time the stall.
     proc = run_job(case, np_, tmp_path, timeout=180, env={
         "HOROLITE_SHARED_MEMORY": shared_memory, "HOROLITE_STALL_CHECK_TIME_SECONDS": "1",
         "HOROLITE_STALL_SHUTDOWN_TIME_SECONDS": "3"})

@@ -37,6 +37,7 @@ from ..coordination.tensor_queue import Entry, TensorQueue
 from ..core.timeline import SetTimeline, open_timeline
 from ..transport.mpi import MPITransport, oversubscribed
 from ..transport.shared_memory import open_shared_memory
+from ..transport.control_board import open_control_board
 from ..failure.shm_files import report_to_launcher as report_shm_files
 from ..transport.hierarchical import open_hierarchical
 from ..transport.nccl import create_nccl_transport
@@ -104,13 +105,18 @@ class Runtime(JobEnd):
                                      cfg.stall_shutdown_time_seconds, not cfg.stall_check_disable,
                                      self.heartbeat)
         self.doomed: Optional[BaseException] = None  # set when this process must end
+        self._control = ControlVector(cfg.cache_capacity)
         self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
                                       watch=self.watch, channel=self.failures,
-                                      links=self.links)
+                                      links=self.links,
+                                      board=open_control_board(comm, self._control.send.size,
+                                                               polite, shared is not None))
         (self.transport.hierarchical_allreduce,
          self.transport.hierarchical_allgather) = open_hierarchical(
             comm, self.transport.waiter, cfg.hierarchical_allreduce, cfg.hierarchical_allgather)
         self.queue = TensorQueue()
+        if self.transport.board is not None:  # peers entering a round ring it too
+            self.queue.wake = self.transport.board.wake
         self.cache = ResponseCache(cfg.cache_capacity)
         self.timeline = (open_timeline(cfg.timeline, self.rank) if leader is None else
                          SetTimeline(leader, timeline_prefix))
@@ -128,7 +134,6 @@ class Runtime(JobEnd):
                                      self.failures.where if leader is None else
                                      lambda job_rank: self._where_in_job(self.job_ranks.index(job_rank)))
                       if self.rank == 0 and not cfg.stall_check_disable else None)
-        self._control = ControlVector(cfg.cache_capacity)
         self._unsent: List[Entry] = []
         self._waiting: Dict[int, Entry] = {}  # cache slot -> entry waiting for all ranks
         self._invalid: set = set()

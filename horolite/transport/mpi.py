@@ -185,12 +185,14 @@ class MPITransport:
     device = "cpu"
 
     def __init__(self, comm: MPI.Comm, polite: bool, shared_memory=None, watch=None,
-                 channel=None, links=None):
+                 channel=None, links=None, board=None):
         """shared_memory: a shared_memory.SharedMemoryAllreduce for allreduce when every
-        rank is on this host, else None (the ring over MPI). watch, channel, links: see
-        Waiter."""
+        rank is on this host, else None (the ring over MPI). board: a
+        control_board.ControlBoard that then carries the control exchange and
+        negotiation, else None (MPI's collectives). watch, channel, links: see Waiter."""
         self.waiter = Waiter(polite, watch, channel, links)
         self.shared_memory = shared_memory
+        self.board = board
         self.data_comm = comm.Dup()
         self.control_comm = comm.Dup()
         self.link = PointToPoint(self.data_comm, self.waiter)
@@ -215,12 +217,17 @@ class MPITransport:
     def control_or(self, vector: np.ndarray, out: np.ndarray, idle=None) -> None:
         """idle: see Waiter.wait (given when this rank has nothing in flight)."""
         self.doing(CONTROL_LABEL)
+        if self.board is not None:
+            self.board.exchange_or(vector, out, self.waiter.watch, idle)
+            return
         self.waiter.guard()
         req = self.control_comm.Iallreduce(vector, out, op=MPI.BOR)
         self.waiter.wait(req, idle=idle)
 
     def gather_bytes(self, data: bytes, root: int = 0):
         """Every rank's `data` at `root` (a list in rank order; None elsewhere)."""
+        if self.board is not None:
+            return self.board.gather_bytes(data, root, self.waiter.watch)
         comm = self.control_comm
         self.waiter.guard()
         lengths = np.empty(self.size, dtype=np.int64) if self.rank == root else None
@@ -239,6 +246,8 @@ class MPITransport:
 
     def bcast_bytes(self, data, root: int = 0) -> bytes:
         """`data` from `root` (ignored elsewhere) on every rank."""
+        if self.board is not None:
+            return self.board.bcast_bytes(data, root, self.waiter.watch)
         comm = self.control_comm
         self.waiter.guard()
         length = np.array([len(data) if self.rank == root else 0], dtype=np.int64)
@@ -334,6 +343,9 @@ class MPITransport:
         if self.shared_memory is not None:
             self.shared_memory.close()
             self.shared_memory = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         for hier in {id(h): h for h in (self.hierarchical_allreduce, self.hierarchical_allgather)
                      if h is not None}.values():
             hier.close()

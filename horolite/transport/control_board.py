@@ -1,0 +1,177 @@
+"""The per-cycle control exchange, and rank 0's negotiation, through memory the ranks
+of one host share (native/shm_board.c), instead of MPI's nonblocking collectives.
+
+Over MPI, a rank waiting in the control allreduce had to poll it (MPI makes progress
+only when asked), so the later rank's arrival was seen at the earlier rank's next
+look. Here every rank writes its vector into the board and enters the round; the last
+to enter wakes the others from a futex, and entering also rings the doorbell of every
+rank still pausing between cycles, so it starts its cycle at once. The doorbell is the
+runtime's wake-up (`wake`, what submits and the TensorFlow ops ring), so the
+background thread sleeps on one word whether local work or a peer is what it waits
+for. Nothing on the way waits for a timer.
+
+The board is an MPI shared window over the runtime's communicator (a process set's
+board is its own). Its memory stays mapped until the process exits: the doorbell's
+address is handed to native code (tensorflow/intake.py) that may ring it late.
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from .._native import ffi as _ffi, lib as _lib
+
+__all__ = ["ControlBoard", "SharedWake", "MAILBOX_BYTES", "open_control_board"]
+
+# Bytes each rank can post in one round; longer messages take several rounds.
+MAILBOX_BYTES = 16 << 10
+# How long a wait spins before it sleeps (more ranks than cores: barely).
+SPIN_SECONDS, POLITE_SPIN_SECONDS = 50e-6, 2e-6
+# How often a wait comes back to hear of failures and stalls (collective_watch.py).
+WATCH_TICK = 0.02
+
+_retired: List[MPI.Win] = []  # boards of closed runtimes: mapped until exit (see above)
+
+
+class SharedWake:
+    """core.wake.Wake's interface on a word in shared memory (non-private futex ops):
+    set from Python or, through `set_function` on `address`, from native code on any
+    thread without the GIL."""
+    __slots__ = ("_word",)
+
+    def __init__(self, word):
+        self._word = word
+
+    def is_set(self) -> bool:
+        return bool(self._word.set)
+
+    def set(self) -> None:
+        if not self._word.set:
+            _lib.hl_board_wake_set(self._word)
+
+    def clear(self) -> None:
+        _lib.hl_wake_clear(self._word)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if self._word.set:
+            return True
+        return bool(_lib.hl_board_wake_wait(self._word, -1.0 if timeout is None
+                                            else max(timeout, 0.0)))
+
+    @property
+    def address(self) -> int:
+        return int(_ffi.cast("uintptr_t", self._word))
+
+    @staticmethod
+    def set_function() -> int:
+        """The address of `void hl_board_wake_set(void *wake)`."""
+        return int(_ffi.cast("uintptr_t", _ffi.addressof(_lib, "hl_board_wake_set")))
+
+
+class ControlBoard:
+    """Rounds of exchange between the ranks of `comm`, all on this host (collective)."""
+
+    def __init__(self, comm: MPI.Comm, words: int, polite: bool):
+        self.rank, self.size, self.words = comm.Get_rank(), comm.Get_size(), words
+        nbytes = _lib.hl_board_bytes(self.size, words, MAILBOX_BYTES)
+        self._win = MPI.Win.Allocate_shared(nbytes if self.rank == 0 else 0, 1, comm=comm)
+        buf, _ = self._win.Shared_query(0)
+        self._mem = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+        if self.rank == 0:
+            self._mem[:] = 0
+        comm.Barrier()  # zeroed before anyone enters
+        self._base = _ffi.cast("char *", _ffi.from_buffer(self._mem))
+        self._args = (self._base, self.size, words, MAILBOX_BYTES)
+        self.wake = SharedWake(_lib.hl_board_doorbell(*self._args, self.rank))
+        self._spin = POLITE_SPIN_SECONDS if polite else SPIN_SECONDS
+        self._vectors = [self._view(_lib.hl_board_vector(*self._args, self.rank, p), words * 8,
+                                    np.uint64) for p in (0, 1)]
+        self._boxes = [[self._view(_lib.hl_board_mailbox(*self._args, q, p), MAILBOX_BYTES,
+                                   np.uint8) for p in (0, 1)] for q in range(self.size)]
+        self._lengths = [[self._view(_lib.hl_board_vector(*self._args, q, p), words * 8,
+                                     np.uint64) for p in (0, 1)] for q in range(self.size)]
+        self._round = 0
+
+    @staticmethod
+    def _view(pointer, nbytes: int, dtype) -> np.ndarray:
+        return np.frombuffer(_ffi.buffer(pointer, nbytes), dtype=dtype)
+
+    def behind(self) -> List[int]:
+        """The ranks that have not entered the current round (what a wait waits for)."""
+        return [q for q in range(self.size)
+                if _lib.hl_board_entered(*self._args, q) <= self._round]
+
+    def _run(self, watch, idle) -> int:
+        """Enter the round whose slot is written and wait until every rank has; its number."""
+        k = self._round
+        _lib.hl_board_enter(*self._args, self.rank, k)
+        waited, last = 0.0, None
+        while _lib.hl_board_wait(*self._args, k, WATCH_TICK, self._spin):
+            if watch is None:
+                continue
+            # Nothing of this rank's rides on an idle round: it is not a stall.
+            now = time.monotonic()
+            if idle is None or idle.is_set():
+                waited += (now - last) if last is not None else WATCH_TICK
+            last = now
+            watch(waited, self.behind())
+        self._round = k + 1
+        return k
+
+    def exchange_or(self, vector: np.ndarray, out: np.ndarray, watch=None, idle=None) -> None:
+        """out = the bitwise OR of every rank's uint64 `vector` (this round's)."""
+        self._vectors[self._round & 1][:] = vector
+        k = self._run(watch, idle)
+        _lib.hl_board_or(*self._args, k, _ffi.cast("uint64_t *", _ffi.from_buffer(out)))
+
+    def gather_bytes(self, data: bytes, root: int = 0, watch=None) -> Optional[List[bytes]]:
+        """Every rank's `data` at `root` (a list in rank order; None elsewhere)."""
+        return self._move(data, None, root, watch)
+
+    def bcast_bytes(self, data: bytes, root: int = 0, watch=None) -> bytes:
+        """`data` from `root` (ignored elsewhere) on every rank."""
+        return self._move(data if self.rank == root else b"", root, root, watch)[root]
+
+    def _move(self, data: bytes, sender: Optional[int], root: int, watch):
+        """Rounds until every rank's `data` (or only `sender`'s) is at `root` (or, for a
+        sender, at every rank). Word 0 of a rank's vector carries its total length."""
+        got = {q: bytearray() for q in range(self.size)
+               if sender is None and self.rank == root or q == sender}
+        offset, longest = 0, None
+        while True:
+            p = self._round & 1
+            chunk = data[offset:offset + MAILBOX_BYTES]
+            vec = self._vectors[p]
+            vec[:] = 0
+            vec[0] = len(data)
+            if chunk:
+                self._boxes[self.rank][p][:len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            self._run(watch, None)
+            if longest is None:
+                lengths = {q: int(self._lengths[q][p][0]) for q in range(self.size)}
+                longest = max(lengths.values()) if sender is None else lengths[sender]
+            for q, buf in got.items():
+                take = min(MAILBOX_BYTES, lengths[q] - len(buf))
+                if take > 0:
+                    buf += self._boxes[q][p][:take].tobytes()
+            offset += MAILBOX_BYTES
+            if offset >= longest:
+                break
+        if sender is not None:
+            return {sender: bytes(got[sender])}
+        return [bytes(got[q]) for q in range(self.size)] if self.rank == root else None
+
+    def close(self) -> None:
+        """Collective with the other ranks' close. The memory stays mapped (see above)."""
+        _retired.append(self._win)
+
+
+def open_control_board(comm: MPI.Comm, words: int, polite: bool,
+                       local: bool) -> Optional[ControlBoard]:
+    """The board when `local` (every rank of `comm` on this host, the same answer on every
+    rank: the shared-memory allreduce is on), else None: MPI's collectives carry the
+    control exchange, as they do across hosts. Collective over `comm`."""
+    return ControlBoard(comm, words, polite) if local and comm.Get_size() > 1 else None

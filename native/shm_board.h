@@ -1,0 +1,58 @@
+/* horolite's control board: the per-cycle exchange between the ranks of one host
+ * in memory they share, and the wake-ups that go with it.
+ *
+ * Every rank has a region of the board: its doorbell (an hl_wake word, see
+ * wake.h, which the rank's background thread sleeps on between cycles and which
+ * its callers ring when they submit), how many rounds it has entered, and two
+ * slots (rounds alternate between them) each holding a vector of uint64 words
+ * and a mailbox of bytes. A round is the exchange of one cycle: each rank writes
+ * its slot and enters; whoever enters last bumps the board's round word and wakes
+ * the ranks sleeping on it. A rank that enters rings the doorbell of every rank
+ * that has not, so a peer pausing between cycles starts its cycle at once
+ * instead of when its pause ends. A slot is written again two rounds later,
+ * once every rank has entered the round in between, so every rank has read it.
+ *
+ * The words are shared between processes, so every futex operation on them is
+ * non-private (FUTEX_WAIT/FUTEX_WAKE without FUTEX_PRIVATE_FLAG).
+ */
+#ifndef HOROLITE_SHM_BOARD_H
+#define HOROLITE_SHM_BOARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "wake.h"
+
+/* Bytes of a board for n ranks, vectors of `words` uint64 and mailboxes of
+ * `mailbox` bytes (a multiple of 64). */
+size_t hl_board_bytes(int n, int words, size_t mailbox);
+/* Rank q's doorbell, vector and mailbox of slot `parity` (0 or 1), and the rounds
+ * it has entered. */
+hl_wake *hl_board_doorbell(char *board, int n, int words, size_t mailbox, int q);
+uint64_t *hl_board_vector(char *board, int n, int words, size_t mailbox, int q, int parity);
+char *hl_board_mailbox(char *board, int n, int words, size_t mailbox, int q, int parity);
+int64_t hl_board_entered(char *board, int n, int words, size_t mailbox, int q);
+
+/* Enter round `round` (this rank's vector and mailbox of slot round & 1 already
+ * written): rings the doorbells of the ranks not in it yet; the last to enter
+ * completes the round. Returns 1 if the round is complete, else 0. */
+int hl_board_enter(char *board, int n, int words, size_t mailbox, int r, int64_t round);
+/* Until round `round` is complete: spins for spin_s, then sleeps in the round
+ * word's futex until the last rank wakes it. 0 when complete, 1 when timeout_s
+ * passed first (call again to go on waiting). */
+int hl_board_wait(char *board, int n, int words, size_t mailbox, int64_t round,
+                  double timeout_s, double spin_s);
+/* out = the bitwise OR of every rank's vector of slot round & 1. */
+void hl_board_or(char *board, int n, int words, size_t mailbox, int64_t round, uint64_t *out);
+
+/* hl_wake's set and wait (wake.h) for words in memory shared between processes. */
+void hl_board_wake_set(void *wake);
+int hl_board_wake_wait(hl_wake *wake, double timeout_s);
+
+/* A futex-backed wait for words shared between processes: the value of *bell (a
+ * counter every change of interest bumps with hl_bell_ring) before looking, then
+ * hl_bell_sleep(bell, seen, timeout) if what was looked for is not there yet. */
+void hl_bell_ring(uint32_t *bell, uint32_t *sleepers);
+void hl_bell_sleep(uint32_t *bell, uint32_t *sleepers, uint32_t seen, double timeout_s);
+
+#endif /* HOROLITE_SHM_BOARD_H */
