@@ -209,7 +209,8 @@ NOT_HONOURED = {
     "THREAD_AFFINITY": ("pin ranks with --binding-args (mpirun's binding) or taskset",
                         "--thread-affinity", "library_options.thread_affinity", int),
     "GLOO_TIMEOUT_SECONDS": ("horolite has no Gloo controller: MPI only", "", "", None),
-    "ADASUM_MPI_CHUNK_SIZE": ("horolite has no Adasum", "", "", None),
+    "ADASUM_MPI_CHUNK_SIZE": ("horolite's Adasum sends each pair's whole tensors in one "
+                              "message", "", "", None),
     "BATCH_D2D_MEMCOPIES": ("horolite packs device tensors with CuPy; nothing to set", "", "",
                             None),
     "CONTROLLER": ("horolite's controller is always MPI", "", "", None),
