@@ -186,6 +186,18 @@ def run_job(test_dir: str, target: str, np_: int, env: dict, timeout: float) -> 
     return results
 
 
+def markdown(everything: Dict[str, Dict[str, dict]]) -> str:
+    """One table per file: every test, its outcome, and the first line of why not passed."""
+    out = []
+    for name, results in everything.items():
+        out += [f"#### {name}", "", "| test | result | message |", "|---|---|---|"]
+        for tid, r in sorted(results.items()):
+            why = r["message"].splitlines()[0].replace("|", "\\|")[:160] if r["message"] else ""
+            out.append(f"| `{tid.split('::')[-1]}` | {r['outcome']} | {why} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--horovod", required=True, help="a checkout of Horovod's repository (v0.28.1)")
@@ -193,6 +205,8 @@ def main(argv=None) -> int:
     p.add_argument("--per-test", action="store_true", help="one mpirun job per test")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
     p.add_argument("--out", default=None, help="JSON of every test's outcome")
+    p.add_argument("--markdown", default=None,
+                   help="also write every test's outcome as Markdown tables, one per file")
     p.add_argument("files", nargs="*", default=FILES)
     args = p.parse_args(argv)
     test_dir = os.path.join(args.horovod, "test", "parallel")
@@ -220,6 +234,9 @@ def main(argv=None) -> int:
                 print(f"{name} {tid}: {r['outcome']}: {r['message'][:300]}")
     if name in SEEDED or SEEDED & set(args.files):
         print(f"(NumPy's global generator seeded alike on every rank for: {', '.join(sorted(SEEDED))})")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(everything))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"np": args.np, "per_test": args.per_test, "results": everything}, f, indent=1)

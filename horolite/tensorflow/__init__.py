@@ -35,7 +35,8 @@ from .mpi_ops import (allgather, alltoall, barrier, broadcast, check_adasum, gro
 from .process_sets import (ProcessSet, add_process_set, check_process_set, global_process_set,
                            remove_process_set)
 from . import elastic, util
-from .util import check_num_rank_power_of_2, gpu_available, refs_to_vars, split_list, vars_to_refs
+from .util import (_cache, _executing_eagerly, _make_subgraph, check_num_rank_power_of_2,
+                   gpu_available, refs_to_vars, split_list, vars_to_refs)
 from .adasum_optimizer import DistributedAdasumOptimizer
 from .wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
                                  SyncReplicasOptimizer)
