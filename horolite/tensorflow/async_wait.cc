@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tensorflow/core/framework/allocation_description.pb.h"
+#include "tensorflow/core/framework/cancellation.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -84,6 +85,8 @@ struct Results {
 struct Waiter {
   OpKernelContext* ctx = nullptr;
   AsyncOpKernel::DoneCallback done;
+  CancellationManager* cancellation = nullptr;  // the step's, with `token` registered
+  CancellationToken token = 0;
 };
 
 std::mutex mu;
@@ -162,19 +165,48 @@ class HorolitAsyncWaitOp : public AsyncOpKernel {
   explicit HorolitAsyncWaitOp(OpKernelConstruction* c) : AsyncOpKernel(c) {}
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     int64_t hid = ctx->input(0).scalar<int64_t>()();
+    // A step that fails elsewhere cancels this wait: TensorFlow waits for every async op
+    // to finish before it reports the failure, and this collective may never complete
+    // (its group's other members were never enqueued: traced_groups.py).
+    CancellationManager* cm = ctx->cancellation_manager();
+    CancellationToken token = 0;
+    if (cm != nullptr) {
+      token = cm->get_cancellation_token();
+      if (!cm->RegisterCallback(token, [hid]() { Cancel(hid); })) {
+        ctx->SetStatus(absl::CancelledError("horolite: the step was cancelled"));
+        done();
+        return;
+      }
+    }
     Results r;
     {
       std::lock_guard<std::mutex> lock(mu);
       auto it = finished.find(hid);
       if (it == finished.end()) {
-        waiting[hid] = Waiter{ctx, std::move(done)};
+        waiting[hid] = Waiter{ctx, std::move(done), cm, token};
         return;
       }
       r = std::move(it->second);
       finished.erase(it);
     }
+    if (cm != nullptr) cm->TryDeregisterCallback(token);
     Deliver(ctx, r);
     done();
+  }
+
+ private:
+  static void Cancel(int64_t hid) {
+    Waiter w;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = waiting.find(hid);
+      if (it == waiting.end()) return;  // delivered meanwhile
+      w = std::move(it->second);
+      waiting.erase(it);
+    }
+    w.ctx->SetStatus(absl::CancelledError(
+        "horolite: the step was cancelled (another op failed) before this collective completed"));
+    w.done();
   }
 };
 
@@ -217,6 +249,7 @@ void horolit_complete(int64_t hid, int code, const char* message, int n, const i
   // The collective is done with its inputs (the native enqueue op's, if it had them).
   horolit_drop_inputs(hid);
   if (w.ctx == nullptr) return;
+  if (w.cancellation != nullptr) w.cancellation->TryDeregisterCallback(w.token);
   Deliver(w.ctx, r);
   w.done();
 }

@@ -43,7 +43,7 @@ from horolite.api.collectives import _grouped_allreduce_async
 from horolite.errors import HorovodInternalError, NotInitializedError
 from horolite.core.ops import Average, ReduceOp
 
-from . import gpu_route, native_ops
+from . import gpu_route, native_ops, traced_groups
 from .intake import intake_for, submit_to_wait_op
 
 __all__ = ["enqueue_allreduce", "enqueue_grouped_allreduce", "grouped_allreduce_submit", "wait",
@@ -162,11 +162,14 @@ def _resolve_name(name: Optional[str], prefix: str, tensor) -> Optional[str]:
 
 # ---------------------------------------------------- the enqueue/wait ops ----
 
-def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor], copy: bool = True):
+def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor], copy: bool = True,
+             groupable: bool = False):
     """Run `submit(*arrays) -> Handle` as an op; returns the int64 handle id (a Python int eagerly).
 
     copy=False only for a submit that copies what it keeps itself (a grouped
-    allreduce packs its members, see collectives._grouped_allreduce_async)."""
+    allreduce packs its members, see collectives._grouped_allreduce_async).
+    groupable: a per-tensor allreduce, which goes to the runtime with the others traced
+    beside it in a tf.function (traced_groups.py)."""
     # Copy: the runtime keeps the array after this op returns, and must never
     # hold (or be the last to release) memory that TensorFlow owns.
     if not tf.executing_eagerly():
@@ -190,7 +193,10 @@ def _enqueue(submit: Callable, tensors: Sequence[tf.Tensor], copy: bool = True):
         if native is not None and all(_native_dtype(t.dtype) for t in tensors):
             # No Python on TensorFlow's thread, no copy: the op keeps the tensors until
             # the collective is done, and the background thread reads them (intake.py).
-            hid = native.enqueue(tensors, intake_for(native).register(submit))
+            member = traced_groups.join(tensors, submit) if groupable else None
+            hid = native.enqueue(tensors, intake_for(native).register(member or submit))
+            if member is not None:
+                traced_groups.joined(member, hid.op)
         else:
             def fn(*arrays):
                 arrays = [np.array(a, copy=True) for a in arrays] if copy else arrays
@@ -338,7 +344,8 @@ def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence, with_rows: bool = Fa
     return list(outs)
 
 
-def _run(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes) -> List[tf.Tensor]:
+def _run(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes,
+         groupable: bool = False) -> List[tf.Tensor]:
     if tf.executing_eagerly() and not _nccl_active():
         # Submit and wait in one call: the tensors outlive it, so the runtime reads them
         # where they lie (no copy), and the result becomes a tensor on its own memory.
@@ -347,7 +354,7 @@ def _run(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes) -> List
         results = result if isinstance(result, (list, tuple)) else [result]
         return [_eager_tensor(np.asarray(r).astype(d.as_numpy_dtype, copy=False))
                 for r, d in zip(results, dtypes)]
-    return wait(_enqueue(submit, tensors), dtypes, shapes)
+    return wait(_enqueue(submit, tensors, groupable=groupable), dtypes, shapes)
 
 
 def recording(tensors: Sequence[tf.Tensor]) -> bool:

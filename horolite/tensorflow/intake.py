@@ -26,10 +26,15 @@ from horolite.errors import HorovodInternalError, NotInitializedError
 from horolite.runtime import registry
 
 from .native_ops import NativeOps
+from .traced_groups import Member
 
 __all__ = ["Intake", "intake_for", "submit_to_wait_op"]
 
 _log = logging.getLogger("horolite.tensorflow")
+
+
+_ABANDONED = HorovodInternalError("the step was cancelled before every collective of its group "
+                                  "was enqueued")
 
 
 def _python_op_code(exc: BaseException) -> int:
@@ -49,8 +54,9 @@ class Intake:
         self._queue = None
         registry.add_intake(self)
 
-    def register(self, submit: Callable) -> int:
-        """A spec id for an enqueue op whose inputs go to submit(*arrays) -> Handle."""
+    def register(self, submit) -> int:
+        """A spec id for an enqueue op whose inputs go to submit(*arrays) -> Handle, or
+        to a traced_groups.Member's submit once its whole group has come."""
         with self._lock:
             spec = next(self._ids)
             self._specs[spec] = submit
@@ -86,7 +92,15 @@ class Intake:
             except BaseException as e:  # noqa: BLE001 - every error goes to the wait op
                 native.fail(item.hid, e, _python_op_code(e))
                 continue
-            submit_to_wait_op(native, item.hid, specs[item.spec], arrays)
+            spec = specs[item.spec]
+            if spec.__class__ is not Member:
+                submit_to_wait_op(native, item.hid, spec, arrays)
+                continue
+            ready, stale = spec.group.collect(spec.index, (item.hid, spec.submit, arrays))
+            for hid, _, _ in stale:  # (their wait ops were cancelled with their step)
+                native.fail(hid, _ABANDONED)
+            for hid, submit, member_arrays in ready or ():
+                submit_to_wait_op(native, hid, submit, member_arrays)
 
     def pending(self) -> bool:
         return bool(self.native.lib.horolit_pending())

@@ -57,7 +57,7 @@ def check_adasum(process_set) -> None:
 
 def _allreduce_raw(x: tf.Tensor, name, op, pre, post, process_set=global_process_set) -> tf.Tensor:
     return _run(lambda a: _core.allreduce_async(a, op, name, pre, post, process_set=process_set), [x],
-                [x.dtype], [x.shape])[0]
+                [x.dtype], [x.shape], groupable=True)[0]
 
 
 def _grad_name(name: Optional[str]) -> Optional[str]:
