@@ -216,12 +216,13 @@ extern "C" void horolit_drop_inputs(int64_t hid);  // enqueue_op.cc
 
 extern "C" {
 // Called (through cffi) when handle `hid` finishes: code 0 with n results
-// (TensorFlow dtype enums, bytes, shapes), or a TensorFlow error code and message.
+// (TensorFlow dtype enums, bytes, every result's dimensions one after the other), or a
+// TensorFlow error code and message.
 // token 0: the bytes are copied into the wait op's outputs if it already runs, else
 // kept. Otherwise Python keeps the data valid until horolit_released() returns token,
 // and aligned results become outputs without a copy.
 void horolit_complete(int64_t hid, int code, const char* message, int n, const int* dtypes,
-                      const char** data, const int64_t* nbytes, const int64_t* const* shapes,
+                      const char** data, const int64_t* nbytes, const int64_t* dims,
                       const int* ndims, int64_t token) {
   Results r;
   if (token != 0) r.keep = std::make_shared<Keep>(token);
@@ -231,7 +232,8 @@ void horolit_complete(int64_t hid, int code, const char* message, int n, const i
     r.dtypes.push_back(dtypes[i]);
     r.data.push_back(data[i]);
     r.nbytes.push_back(nbytes[i]);
-    r.shapes.emplace_back(shapes[i], shapes[i] + ndims[i]);
+    r.shapes.emplace_back(dims, dims + ndims[i]);
+    dims += ndims[i];
   }
   Waiter w;
   {

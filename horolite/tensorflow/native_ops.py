@@ -69,7 +69,7 @@ typedef struct {
 } horolit_item;
 void horolit_complete(int64_t hid, int code, const char *message, int n, const int *dtypes,
                       const char *const *data, const int64_t *nbytes,
-                      const int64_t *const *shapes, const int *ndims, int64_t token);
+                      const int64_t *dims, const int *ndims, int64_t token);
 int horolit_released(int64_t *out, int cap);
 void horolit_set_ring(void (*fn)(void *), void *arg);
 int horolit_take(horolit_item *out, int cap);
@@ -145,15 +145,17 @@ class NativeOps:
         """Hand the results to the wait op: 64-byte aligned ones as they are (the
         arrays are kept here until TensorFlow drops them), others copied."""
         arrays = [a if a.flags.c_contiguous else np.array(a, order="C") for a in arrays]  # (keeps 0-d)
-        ffi = self.ffi
+        ffi, from_buffer, null = self.ffi, self.ffi.from_buffer, self.ffi.NULL
         token = next(self._tokens)
         with self._lent_lock:
             self._lent[token] = arrays
+        dims = []
+        for a in arrays:
+            dims.extend(a.shape)
         self.lib.horolit_complete(
-            int(hid), 0, ffi.NULL, len(arrays), [_dtype_enum(a.dtype) for a in arrays],
-            [ffi.from_buffer(a) if a.nbytes else ffi.NULL for a in arrays],
-            [a.nbytes for a in arrays], [ffi.new("int64_t[]", a.shape or (0,)) for a in arrays],
-            [a.ndim for a in arrays], token)
+            int(hid), 0, null, len(arrays), [_dtype_enum(a.dtype) for a in arrays],
+            [from_buffer(a) if a.nbytes else null for a in arrays],
+            [a.nbytes for a in arrays], dims or [0], [a.ndim for a in arrays], token)
 
 
 _DTYPE_ENUMS: dict = {}
