@@ -111,7 +111,8 @@ class Intake:
         n, unpack, buffer, frombuffer = item.n, self._unpack, self._buffer, np.frombuffer
         ndims, codes = unpack(item.ndims, n), unpack(item.dtypes, n)
         sizes, data = unpack(item.nbytes, n), unpack(item.data, n)
-        dims = unpack(item.dims, sum(ndims))
+        total = sum(ndims)
+        dims = unpack(item.dims, total) if total else ()  # (NULL when every input is a scalar)
         dtypes, arrays, offset = self._dtypes, [], 0
         for ndim, code, nbytes, ptr in zip(ndims, codes, sizes, data):
             dtype = dtypes.get(code)
