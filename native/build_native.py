@@ -49,7 +49,12 @@ hl_wake *hl_board_doorbell(char *board, int n, int words, size_t mailbox, int q)
 uint64_t *hl_board_vector(char *board, int n, int words, size_t mailbox, int q, int parity);
 char *hl_board_mailbox(char *board, int n, int words, size_t mailbox, int q, int parity);
 int64_t hl_board_entered(char *board, int n, int words, size_t mailbox, int q);
-int hl_board_enter(char *board, int n, int words, size_t mailbox, int r, int64_t round);
+#define HL_BOARD_RING_NONE ...
+#define HL_BOARD_RING_BUSY ...
+#define HL_BOARD_RING_ALL ...
+int hl_board_enter(char *board, int n, int words, size_t mailbox, int r, int64_t round,
+                   int ring);
+void hl_board_set_busy(char *board, int n, int words, size_t mailbox, int r, int on);
 int hl_board_wait(char *board, int n, int words, size_t mailbox, int64_t round,
                   double timeout_s, double spin_s);
 void hl_board_or(char *board, int n, int words, size_t mailbox, int64_t round, uint64_t *out);

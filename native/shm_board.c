@@ -107,14 +107,30 @@ int64_t hl_board_entered(char *board, int n, int words, size_t mailbox, int q)
 static uint32_t *round_word(char *board) { return (uint32_t *)board; }
 static uint32_t *round_sleepers(char *board) { return (uint32_t *)board + 1; }
 
-int hl_board_enter(char *board, int n, int words, size_t mailbox, int r, int64_t round)
+/* Whether rank q has work in flight (hl_board_set_busy), beside its round count. */
+static int64_t *busy(char *board, int words, size_t mailbox, int q)
+{
+    return entered(board, words, mailbox, q) + 1;
+}
+
+void hl_board_set_busy(char *board, int n, int words, size_t mailbox, int r, int on)
+{
+    (void)n;
+    __atomic_store_n(busy(board, words, mailbox, r), (int64_t)(on != 0), __ATOMIC_SEQ_CST);
+}
+
+int hl_board_enter(char *board, int n, int words, size_t mailbox, int r, int64_t round,
+                   int ring)
 {
     __atomic_store_n(entered(board, words, mailbox, r), round + 1, __ATOMIC_SEQ_CST);
     int all = 1;
     for (int q = 0; q < n; q++) {
         if (__atomic_load_n(entered(board, words, mailbox, q), __ATOMIC_SEQ_CST) <= round) {
             all = 0;
-            hl_board_wake_set(hl_board_doorbell(board, n, words, mailbox, q));
+            if (ring == HL_BOARD_RING_ALL ||
+                (ring == HL_BOARD_RING_BUSY &&
+                 __atomic_load_n(busy(board, words, mailbox, q), __ATOMIC_SEQ_CST)))
+                hl_board_wake_set(hl_board_doorbell(board, n, words, mailbox, q));
         }
     }
     if (!all)

@@ -3,13 +3,14 @@
  *
  * Every rank has a region of the board: its doorbell (an hl_wake word, see
  * wake.h, which the rank's background thread sleeps on between cycles and which
- * its callers ring when they submit), how many rounds it has entered, and two
+ * its callers ring when they submit), how many rounds it has entered, whether
+ * it has work in flight, and two
  * slots (rounds alternate between them) each holding a vector of uint64 words
  * and a mailbox of bytes. A round is the exchange of one cycle: each rank writes
  * its slot and enters; whoever enters last bumps the board's round word and wakes
- * the ranks sleeping on it. A rank that enters rings the doorbell of every rank
- * that has not, so a peer pausing between cycles starts its cycle at once
- * instead of when its pause ends. A slot is written again two rounds later,
+ * the ranks sleeping on it. A rank that enters with news rings the doorbell of
+ * the ranks that have not (see hl_board_enter), so a peer pausing between
+ * cycles starts its cycle at once instead of when its pause ends. A slot is written again two rounds later,
  * once every rank has entered the round in between, so every rank has read it.
  *
  * The words are shared between processes, so every futex operation on them is
@@ -34,9 +35,19 @@ char *hl_board_mailbox(char *board, int n, int words, size_t mailbox, int q, int
 int64_t hl_board_entered(char *board, int n, int words, size_t mailbox, int q);
 
 /* Enter round `round` (this rank's vector and mailbox of slot round & 1 already
- * written): rings the doorbells of the ranks not in it yet; the last to enter
- * completes the round. Returns 1 if the round is complete, else 0. */
-int hl_board_enter(char *board, int n, int words, size_t mailbox, int r, int64_t round);
+ * written); the last to enter completes the round. Returns 1 if the round is
+ * complete, else 0. `ring` says whose doorbells it rings among the ranks not in
+ * the round yet: HL_BOARD_RING_ALL (this rank brings news every rank must act
+ * on), HL_BOARD_RING_BUSY (only ranks with work in flight, which may be pausing
+ * with the same work ready: an idle rank is woken by its own submit instead), or
+ * HL_BOARD_RING_NONE. */
+#define HL_BOARD_RING_NONE 0
+#define HL_BOARD_RING_BUSY 1
+#define HL_BOARD_RING_ALL 2
+int hl_board_enter(char *board, int n, int words, size_t mailbox, int r, int64_t round,
+                   int ring);
+/* Publish whether this rank has work in flight (read by HL_BOARD_RING_BUSY). */
+void hl_board_set_busy(char *board, int n, int words, size_t mailbox, int r, int on);
 /* Until round `round` is complete: spins for spin_s, then sleeps in the round
  * word's futex until the last rank wakes it. 0 when complete, 1 when timeout_s
  * passed first (call again to go on waiting). */

@@ -6,6 +6,8 @@ of complements is the complement of "ready everywhere") and the cache slots it
 wants invalidated. Only when some rank has uncached work, has joined, or rank 0
 must speak does the cycle also gather requests to rank 0 and broadcast its
 responses. The background thread is the only thread that calls MPI after init.
+On one host both go through the control board in shared memory (transport/
+control_board.py), whose doorbell is also the queue's wake-up.
 """
 from __future__ import annotations
 
@@ -225,9 +227,13 @@ class Runtime(JobEnd):
                             self.heartbeat.close(self._unreachable())
                         self.failures.close()
                     break
-                if self.queue.has_inflight():
+                inflight = self.queue.has_inflight()
+                if self.transport.board is not None:
+                    self.transport.board.set_busy(inflight)
+                if inflight:
                     # Work is waiting on other ranks: space the cycles out, but start
-                    # at once when new work arrives (a tight loop submits while we run).
+                    # at once when new work arrives (a tight loop submits while we run),
+                    # or when a peer brings new work (the board rings this rank).
                     idle_cycles = 0
                     remaining = self._cycle_seconds - (time.monotonic() - start)
                     if remaining > 0:
@@ -237,8 +243,11 @@ class Runtime(JobEnd):
                     # until it submits (and submitting wakes us): after a couple of cycles,
                     # back off to IDLE_MAX_SECONDS; a cycle starts as soon as work arrives.
                     # (Not while quorum allreduces run: they need this rank without its work.)
+                    # Through the board, a peer that needs this rank rings it: no couple of
+                    # quick cycles first.
                     idle_cycles += 1
-                    pause = (self._cycle_seconds if idle_cycles <= 2 or self.executor.quorum.active(start)
+                    quick = idle_cycles <= 2 and self.transport.board is None
+                    pause = (self._cycle_seconds if quick or self.executor.quorum.active(start)
                              else max(self._cycle_seconds, IDLE_MAX_SECONDS))
                     self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))
         except PeerFailure as e:  # heard inside a wait: another rank failed (or this one)
@@ -318,7 +327,7 @@ class Runtime(JobEnd):
         # peer's next cycle for a whole step): it is polled slowly until work arrives.
         idle = (self.queue.wake if not flags and not self.queue.has_inflight()
                 and not self.executor.quorum.active(now) else None)
-        self.transport.control_or(vec, control.received, idle)
+        self.transport.control_or(vec, control.received, idle, urgent=bool(flags))
         global_flags, fusion_threshold, self._cycle_seconds, ready_slots, invalid_slots = \
             control.decode()
         self.executor.set_fusion_threshold(fusion_threshold)

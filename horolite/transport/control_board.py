@@ -94,20 +94,32 @@ class ControlBoard:
         self._lengths = [[self._view(_lib.hl_board_vector(*self._args, q, p), words * 8,
                                      np.uint64) for p in (0, 1)] for q in range(self.size)]
         self._round = 0
+        self._busy = False
 
     @staticmethod
     def _view(pointer, nbytes: int, dtype) -> np.ndarray:
         return np.frombuffer(_ffi.buffer(pointer, nbytes), dtype=dtype)
+
+    @property
+    def rounds(self) -> int:
+        """Rounds completed so far (the same on every rank)."""
+        return self._round
 
     def behind(self) -> List[int]:
         """The ranks that have not entered the current round (what a wait waits for)."""
         return [q for q in range(self.size)
                 if _lib.hl_board_entered(*self._args, q) <= self._round]
 
-    def _run(self, watch, idle) -> int:
+    def set_busy(self, busy: bool) -> None:
+        """Say whether this rank has work in flight (a peer bringing new ready work rings it)."""
+        if busy != self._busy:
+            self._busy = busy
+            _lib.hl_board_set_busy(*self._args, self.rank, int(busy))
+
+    def _run(self, watch, idle, ring: int = _lib.HL_BOARD_RING_NONE) -> int:
         """Enter the round whose slot is written and wait until every rank has; its number."""
         k = self._round
-        _lib.hl_board_enter(*self._args, self.rank, k)
+        _lib.hl_board_enter(*self._args, self.rank, k, ring)
         waited, last = 0.0, None
         while _lib.hl_board_wait(*self._args, k, WATCH_TICK, self._spin):
             if watch is None:
@@ -121,10 +133,22 @@ class ControlBoard:
         self._round = k + 1
         return k
 
-    def exchange_or(self, vector: np.ndarray, out: np.ndarray, watch=None, idle=None) -> None:
-        """out = the bitwise OR of every rank's uint64 `vector` (this round's)."""
-        self._vectors[self._round & 1][:] = vector
-        k = self._run(watch, idle)
+    def exchange_or(self, vector: np.ndarray, out: np.ndarray, watch=None, idle=None,
+                     urgent: bool = False) -> None:
+        """out = the bitwise OR of every rank's uint64 `vector` (this round's). `urgent`:
+        the vector asks every rank to act (flags), so it wakes every rank not in the round;
+        otherwise a vector that changed since this rank's last round (new work ready)
+        wakes the ranks with work in flight, and an unchanged one nobody."""
+        mine = self._vectors[self._round & 1]
+        mine[:] = vector
+        if urgent:
+            ring = _lib.HL_BOARD_RING_ALL
+        elif not np.array_equal(mine, self._vectors[(self._round - 1) & 1]):
+            ring = _lib.HL_BOARD_RING_BUSY
+        else:
+            ring = _lib.HL_BOARD_RING_NONE
+        self.set_busy(idle is None)
+        k = self._run(watch, idle, ring)
         _lib.hl_board_or(*self._args, k, _ffi.cast("uint64_t *", _ffi.from_buffer(out)))
 
     def gather_bytes(self, data: bytes, root: int = 0, watch=None) -> Optional[List[bytes]]:

@@ -214,11 +214,13 @@ class MPITransport:
             self.waiter.watch.what = what
 
     # ---- control plane (small, host-side) ----
-    def control_or(self, vector: np.ndarray, out: np.ndarray, idle=None) -> None:
-        """idle: see Waiter.wait (given when this rank has nothing in flight)."""
+    def control_or(self, vector: np.ndarray, out: np.ndarray, idle=None,
+                   urgent: bool = False) -> None:
+        """idle: see Waiter.wait (given when this rank has nothing in flight). urgent: the
+        vector carries flags every rank must act on (the board wakes them for it)."""
         self.doing(CONTROL_LABEL)
         if self.board is not None:
-            self.board.exchange_or(vector, out, self.waiter.watch, idle)
+            self.board.exchange_or(vector, out, self.waiter.watch, idle, urgent)
             return
         self.waiter.guard()
         req = self.control_comm.Iallreduce(vector, out, op=MPI.BOR)

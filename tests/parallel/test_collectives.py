@@ -267,6 +267,34 @@ def test_many_small_tensors_async():
         np.testing.assert_allclose(h.result(), np.full(256, sum(i + r for r in range(SIZE))))
 
 
+@pytest.mark.parametrize("late_ms", [0, 5, 50])
+def test_a_late_rank_with_small_and_large_tensors_in_one_step(late_ms):
+    # The last rank submits late_ms after the others, which wait for it (on one host in
+    # the control board's futex, then in the shared-memory allreduce's); each step mixes
+    # one element to several blocks, in an order that differs per rank, and a group. The
+    # first step negotiates its names, the second finds them in the response cache.
+    import time
+    sizes = [1, 1024, 10 * 1024, 70 * 1024, (1 << 20) // 4 * 3 + 5]  # float32 elements
+    for step in range(2):
+        hvd.barrier()
+        if RANK == SIZE - 1 and SIZE > 1:
+            time.sleep(late_ms / 1e3)
+        order = list(range(len(sizes)))
+        np.random.RandomState(RANK + 10 * step).shuffle(order)
+        handles = {i: hvd.allreduce_async(make(RANK, (sizes[i],), "float32", ("late", i, step)),
+                                          op=hvd.Sum, name=f"late.{late_ms}.{i}") for i in order}
+        group = hvd.grouped_allreduce([make(RANK, (n,), "float32", ("lateg", n, step))
+                                       for n in (3, 1024, 5000)], op=hvd.Sum,
+                                      name=f"lateg.{late_ms}")
+        for i, n in enumerate(sizes):
+            assert_close(hvd.synchronize(handles[i]), reference(
+                hvd.Sum, [make(r, (n,), "float32", ("late", i, step)) for r in range(SIZE)],
+                "float32"), "float32")
+        for g, n in zip(group, (3, 1024, 5000)):
+            assert_close(g, reference(hvd.Sum, [make(r, (n,), "float32", ("lateg", n, step))
+                                                for r in range(SIZE)], "float32"), "float32")
+
+
 def test_topology():
     # The reference: every rank's host from its known identity (pretend_hosts.py), not
     # horolite's allgather.
@@ -486,6 +514,7 @@ def test_the_jobs_settings_took_effect():
             np.testing.assert_array_equal(hvd.synchronize(h), np.full(3, sum(r + i for r in range(SIZE))))
     paths = {k: rt.transport.paths[k] - v for k, v in paths.items()}
     fused, evicted = rt.executor.fused_batches - fused, rt.cache.evictions - evicted
+    board = rt.transport.board  # the control exchange in shared memory (control_board.py)
 
     hosts = expected_topology(RANK)["hosts"]
     shared = SIZE > 1 and len(hosts) == 1 and setting("SHARED_MEMORY", "1") not in ("0", "false")
@@ -495,6 +524,8 @@ def test_the_jobs_settings_took_effect():
                 "hierarchical" if hierarchical_applies() and
                 setting("HIERARCHICAL_ALLREDUCE", "1") not in ("0", "false") else "ring")
         assert used == {want}, paths
+        # With shared memory the control exchange went through the board, else over MPI.
+        assert (board is not None and board.rounds > 0) if shared else board is None
     threshold = int(setting("FUSION_THRESHOLD", str(128 << 20)))
     if threshold == 0:  # every tensor alone: 2 x (12 grouped + 12 single) allreduces
         assert fused == 0

@@ -163,6 +163,31 @@ def test_sets_submitted_in_different_orders_do_not_deadlock():
 
 
 @multi
+def test_each_set_has_its_own_shared_memory():
+    # A set whose members share a host has its control exchange and its allreduce in
+    # regions of its own, shared only by its members (control_board.py,
+    # shared_memory.py), so a rank's sets run at once without waiting on each other's
+    # rounds; other sets (across hosts, or shared memory off) go over MPI.
+    off = os.environ.get("HOROLITE_SHARED_MEMORY", "1").lower() in ("0", "false")
+    seen = {ps_mod.runtime_for(hvd.global_process_set, "allreduce").queue.wake.address}
+    mine = {id(s): (name, s) for name, s in MINE}.values()  # two names may share a set
+    handles = []
+    for name, s in mine:
+        rt = ps_mod.runtime_for(s, "allreduce")
+        if off or len(s.ranks) == 1 or rt.topology.local_size != len(s.ranks):
+            assert rt.transport.board is None and rt.transport.shared_memory is None
+        else:
+            assert rt.transport.board.size == rt.transport.shared_memory.size == len(s.ranks)
+            assert rt.queue.wake.address not in seen
+            seen.add(rt.queue.wake.address)
+        handles.append((name, s, hvd.allreduce_async(data(RANK, (300,), "own" + name),
+                                                     op=hvd.Sum, name="own", process_set=s)))
+    for name, s, h in handles:
+        np.testing.assert_allclose(h.result(timeout=60),
+                                   sum(data(r, (300,), "own" + name) for r in s.ranks))
+
+
+@multi
 def test_mismatch_names_the_set_and_job_ranks_and_the_set_keeps_working():
     s = SETS["high"]  # job ranks 1.., numbered 0.. within the set
     if RANK not in s.ranks:
