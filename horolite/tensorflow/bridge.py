@@ -247,7 +247,7 @@ def _tf_gpu_count() -> int:
 
 
 def _refuse_xla() -> None:
-    """horolite's ops are Python ops, which XLA cannot compile: say so instead of XLA's
+    """horolite's ops hand tensors to a runtime outside TensorFlow, which XLA cannot compile: say so instead of XLA's
     generic "unsupported operations" (Keras turns XLA on by itself on GPU machines)."""
     from tensorflow.python.ops import control_flow_util
     if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
