@@ -10,11 +10,7 @@ The checkout is read, never copied into this repository. The test files import
 modules, and supplies the few helpers of Horovod's own that the files import besides
 (`horovod.common.util.is_version_greater_equal_than`,
 `horovod.runner.common.util.env.get_env_rank_and_size`,
-`horovod.runner.util.threads.in_thread`). Nothing else is changed, with one exception
-said in the output: test_adasum_tensorflow.py draws every rank's inputs from NumPy's
-unseeded global generator and compares them with one reference, so every rank must draw
-the same numbers; the runner seeds that generator with the same value on every rank
-before each of its tests.
+`horovod.runner.util.threads.in_thread`). Nothing else is changed.
 
 With --per-test every test runs as its own mpirun job (slow: a job starts TensorFlow);
 without, each file is one job. A test passes when it passes on every rank. The table
@@ -37,7 +33,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 FILES = ["test_tensorflow.py", "test_xla.py", "test_tensorflow_process_sets.py",
          "test_adasum_tensorflow.py", "test_tensorflow_process_sets_dynamic.py",
          "test_tensorflow2_keras.py", "test_tensorflow_keras.py"]
-SEEDED = {"test_adasum_tensorflow.py"}
 
 _SHIM_INIT = '''"""A shim: horovod.tensorflow, .keras -> horolite's modules (tools/horovod_tests.py)."""
 import importlib
@@ -100,11 +95,8 @@ def in_thread(target, args=(), name=None, daemon=True, silent=False):
     return thread
 '''
 
-_PLUGIN = '''"""pytest plugin for the Horovod test runs: each rank's JUnit file; NumPy's global
-generator seeded alike on every rank for the files that assume it (see the runner)."""
+_PLUGIN = '''"""pytest plugin for the Horovod test runs: each rank writes its own JUnit file."""
 import os
-
-SEEDED = set(os.environ.get("HOROLITE_HVD_SEEDED", "").split(","))
 
 
 def _rank():
@@ -118,12 +110,6 @@ def pytest_configure(config):
     out = os.environ.get("HOROLITE_HVD_JUNIT_DIR")
     if out:
         config.option.xmlpath = os.path.join(out, f"rank{_rank()}.xml")
-
-
-def pytest_runtest_setup(item):
-    if os.path.basename(str(item.fspath)) in SEEDED:
-        import numpy as np
-        np.random.seed(1234)
 '''
 
 
@@ -193,7 +179,7 @@ def markdown(everything: Dict[str, Dict[str, dict]]) -> str:
         out += [f"#### {name}", "", "| test | result | message |", "|---|---|---|"]
         for tid, r in sorted(results.items()):
             why = r["message"].splitlines()[0].replace("|", "\\|")[:160] if r["message"] else ""
-            out.append(f"| `{tid.split('::')[-1]}` | {r['outcome']} | {why} |")
+            out.append(f"| `{tid}` | {r['outcome']} | {why} |")
         out.append("")
     return "\n".join(out)
 
@@ -214,7 +200,7 @@ def main(argv=None) -> int:
         p.error(f"{test_dir} does not exist: give the root of a Horovod checkout")
     shim = tempfile.mkdtemp(prefix="horolite-hvd-shim-")
     make_shim(shim)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", HOROLITE_HVD_SEEDED=",".join(SEEDED),
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join([shim, test_dir, os.path.join(args.horovod, "test", "utils"),
                                            ROOT, os.environ.get("PYTHONPATH", "")]))
     everything = {}
@@ -232,8 +218,6 @@ def main(argv=None) -> int:
         for tid, r in sorted(results.items()):
             if r["outcome"] != "passed":
                 print(f"{name} {tid}: {r['outcome']}: {r['message'][:300]}")
-    if name in SEEDED or SEEDED & set(args.files):
-        print(f"(NumPy's global generator seeded alike on every rank for: {', '.join(sorted(SEEDED))})")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(everything))
