@@ -35,3 +35,32 @@ def test_the_native_ops_build_from_source_and_load(tmp_path, monkeypatch):
     monkeypatch.setattr(native_ops, "_tried", False)
     monkeypatch.setattr(native_ops, "_loaded", None)
     assert native_ops.load() is not None
+
+
+FALLBACK_SCRIPT = r"""
+import numpy as np, tensorflow as tf
+import horolite.tensorflow as hvd
+hvd.init()
+fn = tf.function(lambda t: [hvd.allreduce(t * k, op=hvd.Sum) for k in (1.0, 2.0)])
+x = tf.constant(np.arange(6, dtype=np.float32))
+types = {op.type for op in fn.get_concrete_function(x).graph.get_operations()}
+assert not types & {"HorolitEnqueue", "HorolitAsyncWait"} and types & {"PyFunc", "EagerPyFunc"}, types
+a, b = fn(x)
+np.testing.assert_array_equal(a.numpy(), np.arange(6))
+np.testing.assert_array_equal(b.numpy(), 2 * np.arange(6))
+print("fallback ok")
+"""
+
+
+def test_without_a_compiler_the_python_ops_run_and_one_warning_says_why(tmp_path):
+    # A single process (a job of one rank): the ops are built at the first tf.function.
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.endswith("TF_NATIVE_OPS")}
+    env.update(CXX=str(tmp_path / "no-such-compiler"), HOROLITE_TF_OPS_CACHE=str(tmp_path / "ops"),
+               TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0 and "fallback ok" in proc.stdout, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "native TensorFlow" in line]
+    assert len(said) == 1 and "no-such-compiler" in said[0], proc.stderr[-3000:]

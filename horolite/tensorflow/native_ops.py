@@ -206,7 +206,7 @@ def _build(directory: str) -> str:
             os.unlink(tmp)
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
         os.replace(tmp, target)
-        _log.info("built the native wait op: %s", target)
+        _log.info("built the native TensorFlow ops: %s", target)
     return target
 
 
@@ -222,9 +222,10 @@ def load() -> Optional[NativeOps]:
             try:
                 _loaded = NativeOps(_build(_cache_dir()))
             except Exception as e:  # any failure: fall back to the Python ops
-                _log.warning("horolite: the native TensorFlow wait op is not available (%s); "
-                             "using Python ops, which raise InvalidArgumentError/UnknownError for "
+                _log.warning("horolite: the native TensorFlow ops are not available (%s); "
+                             "using Python ops (slower: Python on TensorFlow's thread per "
+                             "collective), which raise InvalidArgumentError/UnknownError for "
                              "the runtime's errors inside graphs", (str(e) or repr(e)).splitlines()[0])
-                _log.debug("native wait op build: %s", e)
+                _log.debug("native ops build: %s", e)
         _tried = True
     return _loaded
