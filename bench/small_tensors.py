@@ -183,9 +183,12 @@ LIMITS = {
     "grouped": "per-member work and the exchange: the caller packs 200 arrays (~0.11 ms), "
                "800 KiB through shared memory (~0.1 ms), the result split into 200 views "
                "(~0.035 ms); one background cycle (~0.07 ms) and two hand-offs (~0.04 ms)",
-    "latecomer": "the later rank's hand-off to its background thread, one cycle of Python "
-                 "on each rank, and the wake-ups between them (the earlier rank sleeps in a "
-                 "futex until the last one arrives)",
+    "latecomer": "wake-ups and Python, not waiting: the later rank's hand-off to its background "
+                 "thread (a futex wake), its cycle's Python (~30 us), then the earlier ranks' "
+                 "wake from the control board's futex and their own cycle before the "
+                 "shared-memory exchange, and the result's hand-off to the caller; "
+                 "MPI_Allreduce's latecomer is one C call that spins. On 2 shared cores every "
+                 "wake-up also waits for a core",
     "async": "per-tensor Python on both threads: ~4 us to submit on the caller, ~5 us in the "
              "background thread (cache lookup, packing, views, completion), with 2 ranks x 2 "
              "threads sharing 2 cores",
