@@ -267,6 +267,20 @@ def test_many_small_tensors_async():
         np.testing.assert_allclose(h.result(), np.full(256, sum(i + r for r in range(SIZE))))
 
 
+def test_negotiation_longer_than_a_mailbox():
+    # 300 new names of ~100 characters at once: the requests to rank 0 and its responses
+    # run to tens of KB, more than one round of the control board carries (MAILBOX_BYTES),
+    # so on one host they go in several rounds; each rank submits in its own order.
+    names = [f"negotiation.{'x' * 90}.{i:04d}" for i in range(300)]
+    order = list(range(len(names)))
+    np.random.RandomState(RANK).shuffle(order)
+    handles = {i: hvd.allreduce_async(np.full(2, float(RANK * i), np.float32), op=hvd.Sum,
+                                      name=names[i]) for i in order}
+    for i in range(len(names)):
+        np.testing.assert_array_equal(hvd.synchronize(handles[i]),
+                                      np.full(2, float(sum(r * i for r in range(SIZE)))))
+
+
 @pytest.mark.parametrize("late_ms", [0, 5, 50])
 def test_a_late_rank_with_small_and_large_tensors_in_one_step(late_ms):
     # The last rank submits late_ms after the others, which wait for it (on one host in
