@@ -20,9 +20,9 @@ from ..core import staging
 from ..core.handle import Handle
 from ..core.messages import JOIN_NAME, Kind, Request
 from ..core.ops import MOVABLE_DTYPES, REDUCIBLE_DTYPES, Average, ReduceOp, dtype_name
-from ..errors import AdasumUnsupportedError, InvalidCollectiveError
-from ..transport.adasum import ADASUM_DTYPES, is_power_of_two
+from ..errors import InvalidCollectiveError
 from ..runtime import registry
+from .adasum import check_adasum
 from .basics import runtime
 from .grouping import one_handle, pack_host_group, split_group
 from .process_sets import SetHandle, global_process_set, runtime_for
@@ -97,21 +97,6 @@ def _reduce_op(op, name: str) -> ReduceOp:
     return op
 
 
-def _check_adasum(arr, name: str, rt) -> None:
-    """Horovod's Adasum rules, on every rank alike (so none waits for the others): float
-    tensors, a power-of-two number of ranks, the global process set."""
-    dname = dtype_name(arr.dtype)
-    if dname not in ADASUM_DTYPES:
-        raise InvalidCollectiveError(f"tensor '{name}': Adasum reduces {', '.join(ADASUM_DTYPES)}, "
-                                     f"not {dname}")
-    if rt.set_label:
-        raise AdasumUnsupportedError(f"tensor '{name}': Adasum runs over the global process set "
-                                     f"only (as in Horovod), not {rt.set_label}")
-    if not is_power_of_two(rt.size):
-        raise AdasumUnsupportedError(f"tensor '{name}': Adasum needs a power-of-two number of "
-                                     f"ranks (1, 2, 4, 8...), and this job has {rt.size}")
-
-
 def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, splits=None,
             rt=None, owned: bool = False, parts=None, host_only: bool = False, **fields) -> Handle:
     """host_only: a device array goes through host memory even where NCCL is up (Adasum)."""
@@ -169,7 +154,7 @@ def _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum,
         raise InvalidCollectiveError(f"tensor '{name}': a quorum allreduce takes host (NumPy) arrays")
     _check_scales(arr, name, pre, post)
     if op == ReduceOp.ADASUM:
-        _check_adasum(arr, name, rt)
+        check_adasum(arr, name, rt)
     return _submit(Kind.ALLREDUCE, arr, name, rt=rt, op=int(op), prescale=float(prescale_factor),
                    postscale=float(postscale_factor), quorum=k,
                    host_only=op == ReduceOp.ADASUM)

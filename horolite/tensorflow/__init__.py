@@ -30,8 +30,9 @@ from .sync_batch_norm import SyncBatchNormalization
 from .gradients import GradientReducer, LocalAggregator, check_arguments
 from .api import (allreduce, grouped_allreduce, grouped_reducescatter,
                   handle_average_backwards_compatibility, reducescatter)
-from .mpi_ops import (allgather, alltoall, barrier, broadcast, check_adasum, grouped_allgather,
-                      join, local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
+from .adasum import check_adasum
+from .mpi_ops import (allgather, alltoall, barrier, broadcast, grouped_allgather, join,
+                      local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
 from .process_sets import (ProcessSet, add_process_set, check_process_set, global_process_set,
                            remove_process_set)
 from . import elastic, util

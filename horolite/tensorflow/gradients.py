@@ -22,7 +22,8 @@ from horolite.core.ops import ReduceOp
 from .compression import Compression
 from .functions import variable_name, variable_ref
 from .bridge import _enqueue, graph_unique_name, grouped_allreduce_submit, run_alone, wait
-from .mpi_ops import _check_op, check_adasum
+from .adasum import check_adasum
+from .mpi_ops import _check_op
 from .process_sets import check_process_set, global_process_set, reduces_here, set_size
 
 __all__ = ["GradientReducer", "LocalAggregator", "check_arguments"]

@@ -14,6 +14,7 @@ import horolite as _core
 from horolite.errors import HorovodInternalError
 from horolite.core.ops import Average, ReduceOp
 
+from .adasum import check_adasum
 from .horovod_basics import HorovodBasics
 from .process_sets import check_process_set, global_process_set, set_rank, set_size
 from .bridge import (_enqueue, _guarded, _resolve_name, _run, enqueue_grouped_allreduce, recording,
@@ -40,19 +41,6 @@ def _check_op(op, process_set=None) -> ReduceOp:
     if op == ReduceOp.ADASUM and process_set is not None:
         check_adasum(process_set)
     return op
-
-
-def check_adasum(process_set) -> None:
-    """Horovod's NotImplementedErrors for Adasum, raised before any op exists (the class
-    exactly, so a tf.function re-raises it as it is): a process set other than the global
-    one, a number of ranks that is not a power of two."""
-    if getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError(f"Adasum does not support non-global process sets yet "
-                                     f"(got {process_set})")
-    n = _core.size()
-    if n & (n - 1):
-        raise NotImplementedError(f"Running Adasum with non-power of 2 ranks is not supported "
-                                     f"yet: this job has {n} ranks (1, 2, 4, 8... can run it)")
 
 
 def _allreduce_raw(x: tf.Tensor, name, op, pre, post, process_set=global_process_set) -> tf.Tensor:
