@@ -108,6 +108,23 @@ def test_gradient_tape_reduces_the_gradients_with_adasum():
                                rtol=1e-10)
 
 
+def test_gradient_tape_with_backward_passes_sums_locally_then_adasum():
+    if not POW2:
+        refused(lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum,
+                                                    backward_passes_per_step=2))
+        return
+    w = tf.Variable(W0)
+    got = []
+    for _ in range(2):  # the same gradient twice: the second call reduces their sum
+        with tf.GradientTape() as tape:
+            value = loss(w, R)
+        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum, backward_passes_per_step=2)
+        got.append((tape.gradient(value, [w])[0].numpy(), tape.gradients_ready))
+    assert [ready for _, ready in got] == [False, True]
+    np.testing.assert_allclose(got[1][0], tree([2 * grad_of(W0, r) for r in range(N)], W0.shape),
+                               rtol=1e-10)
+
+
 def test_keras_optimizer_applies_the_adasum_of_the_gradients():
     if not POW2:
         refused(lambda: hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(LR), op=hvd.Adasum))
