@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -70,6 +71,17 @@ def test_tf_wait_op(tmp_path):
     doc = run_bench("tf_wait_op", tmp_path, "--no-plot")
     timed = [v for v in doc.values() if isinstance(v, dict) and "ratio" in v]
     assert len(timed) == 3 and all(v["native_s"] > 0 and v["python_s"] > 0 for v in timed)
+
+
+def test_tf_ops(tmp_path):
+    pytest.importorskip("tensorflow")
+    doc = run_bench("tf_ops", tmp_path)
+    if shutil.which("g++"):  # (tests/test_tf_native_op.py: they build wherever g++ is)
+        assert doc["native_ops"] is True
+    for key in ("numpy_grouped", "tf_per_tensor", "tf_grouped", "tf_identity", "tf_eager_loop",
+                "tape_plain", "tape_distributed"):
+        assert doc["seconds"][key] > 0, key
+    assert len(doc["targets"]) == 6
 
 
 def test_steady_state_memory(tmp_path):
