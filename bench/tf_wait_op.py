@@ -1,4 +1,4 @@
-"""The native TensorFlow wait op against the Python (numpy_function) wait op, same run.
+"""The native TensorFlow ops (enqueue and wait) against the Python (numpy_function) ops, same run.
 
 Inside a tf.function, per call: one allreduce of a 4 KiB tensor, and a grouped
 allreduce of 20 such tensors; in a TF1 session, one run of 20 independent
@@ -30,7 +30,7 @@ from horolite.tensorflow import native_ops  # noqa: E402
 
 
 class _python_waits:
-    """While active, graphs get the Python wait op (as without a compiler)."""
+    """While active, graphs get the Python ops (as without a compiler)."""
 
     def __enter__(self):
         self.saved = native_ops._loaded, native_ops._tried
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     hvd.init()
     comm = MPI.COMM_WORLD
     common.wait_until_quiet(comm, args.quiet_below, args.quiet_timeout)
-    assert native_ops.load() is not None, "the native wait op could not be built here"
+    assert native_ops.load() is not None, "the native ops could not be built here"
 
     x = tf.constant(np.ones(1024, np.float32))
     xs = [tf.constant(np.full(1024, i, np.float32)) for i in range(20)]
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
         rows.append([label, f"{t['native'] * 1e3:.3f}", f"{t['python'] * 1e3:.3f}", f"{ratio:.2f}"])
         payload[label] = {"native_s": t["native"], "python_s": t["python"], "ratio": ratio}
         targets.append(Target(f"{label}: native / python time", ratio, 1.0, "x", False,
-                              "the machine's load; both variants cross numpy_function to enqueue"))
+                              "the machine's load"))
 
     build_s = None
     if not args.tiny and comm.Get_rank() == 0:
