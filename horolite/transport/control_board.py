@@ -1,14 +1,16 @@
 """The per-cycle control exchange, and rank 0's negotiation, through memory the ranks
 of one host share (native/shm_board.c), instead of MPI's nonblocking collectives.
 
-Over MPI, a rank waiting in the control allreduce had to poll it (MPI makes progress
-only when asked), so the later rank's arrival was seen at the earlier rank's next
-look. Here every rank writes its vector into the board and enters the round; the last
-to enter wakes the others from a futex, and entering also rings the doorbell of every
-rank still pausing between cycles, so it starts its cycle at once. The doorbell is the
-runtime's wake-up (`wake`, what submits and the TensorFlow ops ring), so the
-background thread sleeps on one word whether local work or a peer is what it waits
-for. Nothing on the way waits for a timer.
+Over MPI, a rank waiting in the control allreduce has to poll it (MPI makes progress
+only when asked), so the later rank's arrival is seen at the earlier rank's next look.
+Here every rank writes its vector into the board and enters the round; the last to
+enter wakes the others from a futex. Entering also rings the doorbell of the ranks
+still pausing between cycles that the round concerns: all of them for flags (new
+requests, shutdown, join, rank 0's word), the ones with work in flight for newly ready
+work (an idle rank comes when its own caller submits). The doorbell is the runtime's
+wake-up (`wake`, what submits and the TensorFlow ops ring), so the background thread
+sleeps on one word whether local work or a peer is what it waits for. Nothing on the
+way waits for a timer: the last rank's entry completes a round the others wait in.
 
 The board is an MPI shared window over the runtime's communicator (a process set's
 board is its own). Its memory stays mapped until the process exits: the doorbell's
