@@ -165,12 +165,13 @@ SETTINGS: Tuple[Setting, ...] = (
             "entry `local_rank % len(list)` (see GPUs)",
             "gpu_device"),
     Setting("TF_NATIVE_OPS", bool, True,
-            "`horolite.tensorflow`: wait on collectives in a small native TensorFlow op, built "
-            "on first use (Horovod's error classes; TF1 sessions cannot deadlock); `0` keeps "
-            "the Python ops",
+            "`horolite.tensorflow`: in graphs, hand tensors to the runtime and wait for results "
+            "in two small native TensorFlow ops, built on first use (no Python on TensorFlow's "
+            "threads, no copy; Horovod's error classes; TF1 sessions cannot deadlock); `0` "
+            "keeps the Python ops",
             "tf_native_ops"),
     Setting("TF_OPS_CACHE", str, "",
-            "where that op is built and kept (default `~/.cache/horolite/tf_ops`)",
+            "where those ops are built and kept (default `~/.cache/horolite/tf_ops`)",
             "tf_ops_cache"),
     Setting("START_TIMEOUT", float, 30.0,
             "horolite-run: seconds every rank has to start before the job is stopped",
@@ -229,7 +230,8 @@ NOT_HONOURED = {
                 "--host-discovery-script); ranks learn it from HOROLITE_ELASTIC_JOB", "", "", None),
     "ENABLE_ASYNC_COMPLETION": ("host collectives complete on the background thread already",
                                 "", "", None),
-    "ENABLE_XLA_OPS": ("horolite's TensorFlow ops are Python ops, which XLA cannot compile", "",
+    "ENABLE_XLA_OPS": ("horolite's TensorFlow ops hand tensors to a runtime outside TensorFlow, "
+                       "which XLA cannot compile", "",
                        "", None),
     "CCL_CACHE": ("horolite has no oneCCL", "", "", None),
     "MPI_WHEEL": ("choose the MPI by extras: pip install \"horolite[mpich]\" or "
