@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "tensorflow/core/framework/allocation_description.pb.h"
@@ -92,6 +93,7 @@ struct Waiter {
 std::mutex mu;
 std::unordered_map<int64_t, Results> finished;  // done before their wait op ran
 std::unordered_map<int64_t, Waiter> waiting;    // wait ops whose collective is not done
+std::unordered_set<int64_t> cancelled;          // wait ops cancelled before their results came
 
 // When a result can be handed over as it is (borrowed, aligned,
 // of the expected size), it becomes the output without a copy; else it is copied.
@@ -203,6 +205,7 @@ class HorolitAsyncWaitOp : public AsyncOpKernel {
       if (it == waiting.end()) return;  // delivered meanwhile
       w = std::move(it->second);
       waiting.erase(it);
+      cancelled.insert(hid);  // its results, if they still come, are dropped
     }
     w.ctx->SetStatus(absl::CancelledError(
         "horolite: the step was cancelled (another op failed) before this collective completed"));
@@ -239,7 +242,9 @@ void horolit_complete(int64_t hid, int code, const char* message, int n, const i
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = waiting.find(hid);
-    if (it == waiting.end()) {
+    if (cancelled.erase(hid)) {
+      w.ctx = nullptr;  // nobody waits any more
+    } else if (it == waiting.end()) {
       if (!r.keep) r.Own();
       finished[hid] = std::move(r);
       w.ctx = nullptr;

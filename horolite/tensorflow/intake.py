@@ -15,7 +15,6 @@ op is built: `register(submit) -> spec id`, the op's attribute.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 from typing import Callable, Dict, List
 
@@ -29,9 +28,6 @@ from .native_ops import NativeOps
 from .traced_groups import Member
 
 __all__ = ["Intake", "intake_for", "submit_to_wait_op"]
-
-_log = logging.getLogger("horolite.tensorflow")
-
 
 _ABANDONED = HorovodInternalError("the step was cancelled before every collective of its group "
                                   "was enqueued")
