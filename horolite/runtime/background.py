@@ -6,8 +6,7 @@ of complements is the complement of "ready everywhere") and the cache slots it
 wants invalidated. Only when some rank has uncached work, has joined, or rank 0
 must speak does the cycle also gather requests to rank 0 and broadcast its
 responses. The background thread is the only thread that calls MPI after init.
-On one host both go through the control board in shared memory (transport/
-control_board.py), whose doorbell is also the queue's wake-up.
+On one host both go through the shared-memory board (transport/control_board.py).
 """
 from __future__ import annotations
 
@@ -110,9 +109,8 @@ class Runtime(JobEnd):
         self._control = ControlVector(cfg.cache_capacity)
         self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
                                       watch=self.watch, channel=self.failures,
-                                      links=self.links,
-                                      board=open_control_board(comm, self._control.send.size,
-                                                               polite, shared is not None))
+                                      links=self.links, board=open_control_board(
+                                          comm, self._control.send.size, polite, shared is not None))
         (self.transport.hierarchical_allreduce,
          self.transport.hierarchical_allgather) = open_hierarchical(
             comm, self.transport.waiter, cfg.hierarchical_allreduce, cfg.hierarchical_allgather)
@@ -242,9 +240,8 @@ class Runtime(JobEnd):
                     # Nothing in flight here, so no other rank can be waiting on this one
                     # until it submits (and submitting wakes us): after a couple of cycles,
                     # back off to IDLE_MAX_SECONDS; a cycle starts as soon as work arrives.
-                    # (Not while quorum allreduces run: they need this rank without its work.)
-                    # Through the board, a peer that needs this rank rings it: no couple of
-                    # quick cycles first.
+                    # (Not while quorum allreduces run: they need this rank without its work.
+                    # Through the board a peer that needs this rank rings it: at once.)
                     idle_cycles += 1
                     quick = idle_cycles <= 2 and self.transport.board is None
                     pause = (self._cycle_seconds if quick or self.executor.quorum.active(start)
