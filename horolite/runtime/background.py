@@ -110,7 +110,8 @@ class Runtime(JobEnd):
         self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
                                       watch=self.watch, channel=self.failures,
                                       links=self.links, board=open_control_board(
-                                          comm, self._control.send.size, polite, shared is not None))
+                                          comm, self._control.send.size, polite,
+                                          shared is not None))
         (self.transport.hierarchical_allreduce,
          self.transport.hierarchical_allgather) = open_hierarchical(
             comm, self.transport.waiter, cfg.hierarchical_allreduce, cfg.hierarchical_allgather)
