@@ -54,7 +54,8 @@ class TensorQueue:
         self.wake = Wake()
         # Set on the global runtime's queue when native code queues work for it too
         # (runtime/registry.add_intake): its take() submits what it finds, first thing in
-        # each take_new on the background thread; pending() says whether more came since.
+        # each take_new on the background thread; pending() says whether more came since;
+        # close(error) fails what it holds and what comes later.
         self.intake = None
 
     def submit(self, entry: Entry) -> Handle:
@@ -111,6 +112,8 @@ class TensorQueue:
             pending = list(self._inflight.values())
             self._inflight.clear()
             self._new = []
+        if self.intake is not None:
+            self.intake.close(self._closed)  # what native code queued, and will queue, fails too
         self.wake.set()
         return pending
 

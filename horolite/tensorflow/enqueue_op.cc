@@ -57,6 +57,9 @@ std::unordered_map<int64_t, Inputs*> inputs;  // hid -> inputs, until the collec
 std::atomic<int64_t> next_hid{int64_t(1) << 40};  // above the Python ops' ids
 void (*ring)(void*) = nullptr;
 void* ring_arg = nullptr;
+// Set when the runtime can take no more work: what enqueue ops fail with meanwhile.
+absl::Status closed = absl::FailedPreconditionError(
+    "NotInitializedError: horolite is not initialized: call horolite.init() first");
 
 }  // namespace
 
@@ -95,6 +98,7 @@ class HorolitEnqueueOp : public OpKernel {
                       in->ndims.data(), in->dims.data()};
     void (*fn)(void*) = nullptr;
     void* arg = nullptr;
+    absl::Status refused;
     {
       std::lock_guard<std::mutex> lock(mu);
       fn = ring;
@@ -103,12 +107,13 @@ class HorolitEnqueueOp : public OpKernel {
         inputs[hid] = in;
         queued.push_back(item);
         pending_items.store(static_cast<int64_t>(queued.size()));
+      } else {
+        refused = closed;
       }
     }
-    if (fn == nullptr) {  // no runtime takes work (before init, after shutdown)
+    if (fn == nullptr) {  // no runtime takes work (before init, after shutdown or a failure)
       delete in;
-      ctx->SetStatus(absl::FailedPreconditionError(
-          "NotInitializedError: horolite is not initialized: call horolite.init() first"));
+      ctx->SetStatus(refused);
       return;
     }
     fn(arg);
@@ -129,6 +134,17 @@ void horolit_set_ring(void (*fn)(void*), void* arg) {
   std::lock_guard<std::mutex> lock(mu);
   ring_arg = arg;
   ring = fn;
+  closed = absl::FailedPreconditionError(
+      "NotInitializedError: horolite is not initialized: call horolite.init() first");
+}
+
+// The runtime can take no more work: enqueue ops fail with this status until
+// horolit_set_ring() is called again (the next init).
+void horolit_close(int code, const char* message) {
+  std::lock_guard<std::mutex> lock(mu);
+  ring = nullptr;
+  ring_arg = nullptr;
+  closed = absl::Status(static_cast<absl::StatusCode>(code), message);
 }
 
 // Moves up to `cap` queued items into out; returns how many.

@@ -66,11 +66,20 @@ class Intake:
         self.native.set_ring(queue.wake.address, queue.wake.set_function())
 
     def detach(self, error: BaseException) -> None:
-        """The global runtime is gone: ops fail from now on, and so do items still queued."""
+        """The global runtime is gone (shutdown): ops fail from now on ("not initialized"),
+        and so do items still queued."""
         self.native.set_ring(0, 0)
         queue, self._queue = self._queue, None
         if queue is not None:
             queue.intake = None
+        for item in self.native.take():
+            self.native.fail(item.hid, error)
+
+    def close(self, error: BaseException) -> None:
+        """The runtime can take no more work (a failed rank, a stall): every op enqueued
+        from now on fails with `error`, and so do the items queued, as the runtime's own
+        pending collectives do."""
+        self.native.close(error)
         for item in self.native.take():
             self.native.fail(item.hid, error)
 

@@ -72,6 +72,7 @@ void horolit_complete(int64_t hid, int code, const char *message, int n, const i
                       const int64_t *dims, const int *ndims, int64_t token);
 int horolit_released(int64_t *out, int cap);
 void horolit_set_ring(void (*fn)(void *), void *arg);
+void horolit_close(int code, const char *message);
 int horolit_take(horolit_item *out, int cap);
 int horolit_pending(void);
 void horolit_drop_inputs(int64_t hid);
@@ -111,6 +112,11 @@ class NativeOps:
         ffi = self.ffi
         self.lib.horolit_set_ring(ffi.cast("void (*)(void *)", function),
                                   ffi.cast("void *", address))
+
+    def close(self, exc: BaseException) -> None:
+        """Enqueue ops fail with exc (as the class Horovod raises) until set_ring again."""
+        self.lib.horolit_close(error_code(exc),
+                               f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"))
 
     def take(self) -> list:
         """What enqueue ops queued since the last call: horolit_item structs, whose
