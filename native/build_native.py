@@ -58,8 +58,6 @@ void hl_board_set_busy(char *board, int n, int words, size_t mailbox, int r, int
 int hl_board_wait(char *board, int n, int words, size_t mailbox, int64_t round,
                   double timeout_s, double spin_s);
 void hl_board_or(char *board, int n, int words, size_t mailbox, int64_t round, uint64_t *out);
-void hl_board_wake_set(void *wake);
-int hl_board_wake_wait(hl_wake *wake, double timeout_s);
 """
 
 

@@ -1,5 +1,6 @@
 /* The control board between the ranks of one host: see shm_board.h. */
 #include "shm_board.h"
+#include "wake.h"
 
 #include <limits.h>
 #include <string.h>
@@ -130,7 +131,7 @@ int hl_board_enter(char *board, int n, int words, size_t mailbox, int r, int64_t
             if (ring == HL_BOARD_RING_ALL ||
                 (ring == HL_BOARD_RING_BUSY &&
                  __atomic_load_n(busy(board, words, mailbox, q), __ATOMIC_SEQ_CST)))
-                hl_board_wake_set(hl_board_doorbell(board, n, words, mailbox, q));
+                hl_wake_set(hl_board_doorbell(board, n, words, mailbox, q));
         }
     }
     if (!all)
@@ -185,30 +186,6 @@ void hl_board_or(char *board, int n, int words, size_t mailbox, int64_t round, u
         for (int w = 0; w < words; w++)
             out[w] |= v[w];
     }
-}
-
-void hl_board_wake_set(void *arg)
-{
-    hl_wake *wake = (hl_wake *)arg;
-    if (__atomic_exchange_n(&wake->set, 1u, __ATOMIC_SEQ_CST) == 0u &&
-        __atomic_load_n(&wake->waiters, __ATOMIC_SEQ_CST) != 0u)
-        futex_wake_all(&wake->set);
-}
-
-int hl_board_wake_wait(hl_wake *wake, double timeout_s)
-{
-    if (__atomic_load_n(&wake->set, __ATOMIC_SEQ_CST))
-        return 1;
-    const double deadline = timeout_s < 0 ? -1.0 : now_s() + timeout_s;
-    __atomic_add_fetch(&wake->waiters, 1u, __ATOMIC_SEQ_CST);
-    while (!__atomic_load_n(&wake->set, __ATOMIC_SEQ_CST)) {
-        double left = -1.0;
-        if (deadline >= 0 && (left = deadline - now_s()) <= 0)
-            break;
-        futex_sleep(&wake->set, 0u, left);
-    }
-    __atomic_sub_fetch(&wake->waiters, 1u, __ATOMIC_SEQ_CST);
-    return (int)__atomic_load_n(&wake->set, __ATOMIC_SEQ_CST);
 }
 
 void hl_bell_ring(uint32_t *bell, uint32_t *sleepers)

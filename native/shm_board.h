@@ -56,10 +56,6 @@ int hl_board_wait(char *board, int n, int words, size_t mailbox, int64_t round,
 /* out = the bitwise OR of every rank's vector of slot round & 1. */
 void hl_board_or(char *board, int n, int words, size_t mailbox, int64_t round, uint64_t *out);
 
-/* hl_wake's set and wait (wake.h) for words in memory shared between processes. */
-void hl_board_wake_set(void *wake);
-int hl_board_wake_wait(hl_wake *wake, double timeout_s);
-
 /* A futex-backed wait for words shared between processes: the value of *bell (a
  * counter every change of interest bumps with hl_bell_ring) before looking, then
  * hl_bell_sleep(bell, seen, timeout) if what was looked for is not there yet. */

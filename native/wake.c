@@ -1,5 +1,7 @@
 /* See wake.h. Linux futexes; elsewhere a short sleep loop (no other platform is
- * supported by the launcher, but the package still builds). */
+ * supported by the launcher, but the package still builds). The futex ops are the
+ * shared kind (no FUTEX_PRIVATE_FLAG): a word may lie in memory that other processes
+ * map too (the control board's doorbells, transport/control_board.py). */
 #include "wake.h"
 
 #include <errno.h>
@@ -17,7 +19,7 @@ void hl_wake_set(void *arg) {
     if (__atomic_exchange_n(&wake->set, 1u, __ATOMIC_SEQ_CST) == 0u &&
         __atomic_load_n(&wake->waiters, __ATOMIC_SEQ_CST) != 0u) {
 #ifdef __linux__
-        syscall(SYS_futex, &wake->set, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+        syscall(SYS_futex, &wake->set, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 #endif
     }
 }
@@ -49,7 +51,7 @@ int hl_wake_wait(hl_wake *wake, double timeout_s) {
         }
 #ifdef __linux__
         /* Sleeps only while the word is still 0: a set() in between returns at once. */
-        syscall(SYS_futex, &wake->set, FUTEX_WAIT_PRIVATE, 0u, tsp, NULL, 0);
+        syscall(SYS_futex, &wake->set, FUTEX_WAIT, 0u, tsp, NULL, 0);
 #else
         struct timespec nap = {0, 50000};
         (void)tsp;

@@ -4,7 +4,9 @@
  * The background thread sleeps on it when it has nothing to do. Python callers
  * set it through cffi after a submit; native code that queues work (the
  * TensorFlow ops) sets it through the function pointer hl_wake_set, without
- * Python or the GIL. wait() is called through cffi, which releases the GIL.
+ * Python or the GIL. wait() is called through cffi, which releases the GIL. The
+ * word may lie in memory several processes map (a rank's doorbell on the control
+ * board): its futex ops are the shared kind.
  */
 #ifndef HOROLITE_WAKE_H
 #define HOROLITE_WAKE_H

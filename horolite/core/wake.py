@@ -21,8 +21,10 @@ _WAKE = _ffi.typeof("hl_wake *")
 class Wake:
     __slots__ = ("_word",)
 
-    def __init__(self):
-        self._word = _new(_WAKE)  # zeroed: unset; freed with this object
+    def __init__(self, word=None):
+        """word: an `hl_wake *` elsewhere, in memory other processes map too (a rank's
+        doorbell on the control board); by default one of this object's own."""
+        self._word = _new(_WAKE) if word is None else word  # (new: zeroed, unset)
 
     def is_set(self) -> bool:
         return bool(self._word.set)

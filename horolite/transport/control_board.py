@@ -25,8 +25,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .._native import ffi as _ffi, lib as _lib
+from ..core.wake import Wake
 
-__all__ = ["ControlBoard", "SharedWake", "MAILBOX_BYTES", "open_control_board"]
+__all__ = ["ControlBoard", "MAILBOX_BYTES", "open_control_board"]
 
 # Bytes each rank can post in one round; longer messages take several rounds.
 MAILBOX_BYTES = 16 << 10
@@ -36,41 +37,6 @@ SPIN_SECONDS, POLITE_SPIN_SECONDS = 50e-6, 2e-6
 WATCH_TICK = 0.02
 
 _retired: List[MPI.Win] = []  # boards of closed runtimes: mapped until exit (see above)
-
-
-class SharedWake:
-    """core.wake.Wake's interface on a word in shared memory (non-private futex ops):
-    set from Python or, through `set_function` on `address`, from native code on any
-    thread without the GIL."""
-    __slots__ = ("_word",)
-
-    def __init__(self, word):
-        self._word = word
-
-    def is_set(self) -> bool:
-        return bool(self._word.set)
-
-    def set(self) -> None:
-        if not self._word.set:
-            _lib.hl_board_wake_set(self._word)
-
-    def clear(self) -> None:
-        _lib.hl_wake_clear(self._word)
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        if self._word.set:
-            return True
-        return bool(_lib.hl_board_wake_wait(self._word, -1.0 if timeout is None
-                                            else max(timeout, 0.0)))
-
-    @property
-    def address(self) -> int:
-        return int(_ffi.cast("uintptr_t", self._word))
-
-    @staticmethod
-    def set_function() -> int:
-        """The address of `void hl_board_wake_set(void *wake)`."""
-        return int(_ffi.cast("uintptr_t", _ffi.addressof(_lib, "hl_board_wake_set")))
 
 
 class ControlBoard:
@@ -87,7 +53,7 @@ class ControlBoard:
         comm.Barrier()  # zeroed before anyone enters
         self._base = _ffi.cast("char *", _ffi.from_buffer(self._mem))
         self._args = (self._base, self.size, words, MAILBOX_BYTES)
-        self.wake = SharedWake(_lib.hl_board_doorbell(*self._args, self.rank))
+        self.wake = Wake(_lib.hl_board_doorbell(*self._args, self.rank))
         self._spin = POLITE_SPIN_SECONDS if polite else SPIN_SECONDS
         self._vectors = [self._view(_lib.hl_board_vector(*self._args, self.rank, p), words * 8,
                                     np.uint64) for p in (0, 1)]

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from horolite._native import ffi, lib
-from horolite.transport.control_board import SharedWake
+from horolite.core.wake import Wake
 
 N, WORDS, MAILBOX = 3, 5, 256
 
@@ -87,7 +87,7 @@ def test_entering_rings_whom_the_round_concerns():
 
 def test_the_doorbell_is_a_wake_up_any_thread_can_ring():
     mem, base = board()
-    wake = SharedWake(lib.hl_board_doorbell(base, N, WORDS, MAILBOX, 0))
+    wake = Wake(lib.hl_board_doorbell(base, N, WORDS, MAILBOX, 0))
     assert not wake.is_set() and wake.wait(0.01) is False
     ring = ffi.cast("void (*)(void *)", wake.set_function())  # as native code calls it
     threading.Timer(0.05, lambda: ring(ffi.cast("void *", wake.address))).start()
