@@ -86,7 +86,7 @@ def make_builder(relative):
         '#include "kernels.h"\n#include "shm_ring.h"\n#include "wake.h"\n#include "shm_board.h"',
         sources=[path("kernels.c"), path("shm_ring.c"), path("wake.c"), path("shm_board.c")],
         include_dirs=[path()],
-        depends=[path("kernels.h"), path("kernels_impl.h"), path("shm_ring.h"), path("wake.h"),
+        depends=[path("kernels.h"), path("kernels_impl.h"), path("shm_ring.h"), path("wake.h"), path("relax.h"),
                  path("shm_board.h")],
         extra_compile_args=_CFLAGS,
     )

@@ -12,14 +12,7 @@
 #include <unistd.h>
 #endif
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define HL_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define HL_RELAX() __asm__ __volatile__("yield")
-#else
-#define HL_RELAX() ((void)0)
-#endif
+#include "relax.h"
 
 #define LINE 64
 

@@ -21,14 +21,7 @@ static double hl_now(void)
 }
 #endif
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define HL_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define HL_RELAX() __asm__ __volatile__("yield")
-#else
-#define HL_RELAX() ((void)0)
-#endif
+#include "relax.h"
 
 /* Most ranks sum_to_all writes to at once (more use reduce + copy) */
 #define HL_SHM_MAX_FUSED_RANKS 64
