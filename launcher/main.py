@@ -18,7 +18,6 @@ from . import mpi, ssh_check
 from .check_build import check_build
 from .config import (RANKWRAP, LaunchConfig, check_command, config_from_args, tunable_env,
                      wrapper_argv)
-from .elastic import run_elastic
 from .rank_source import SSH
 from .supervise import Supervisor
 from .version import horolite_version
@@ -127,6 +126,10 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     if parsed.check_build:
         return check_build()
     if elastic_flags.is_elastic(parsed):
+        # Imported here: elastic.py reaches horolite.elastic and so mpi4py's MPI, which
+        # fails to load where no MPI library is installed; a plain start must get as far
+        # as its own error naming the fix (mpi.py).
+        from .elastic import run_elastic
         return run_elastic(parsed)
     try:
         elastic_flags.check_not_elastic(parsed)
