@@ -44,6 +44,7 @@ from horolite.errors import HorovodInternalError, NotInitializedError
 from horolite.core.ops import Average, ReduceOp
 
 from . import gpu_route, native_ops, traced_groups
+from .eager import eager_tensor
 from .intake import intake_for, submit_to_wait_op
 
 __all__ = ["enqueue_allreduce", "enqueue_grouped_allreduce", "grouped_allreduce_submit", "wait",
@@ -271,29 +272,6 @@ def _from_runtime(result, dtype: tf.DType) -> tf.Tensor:
     return tf.convert_to_tensor(np.asarray(result).astype(dtype.as_numpy_dtype, copy=False))
 
 
-def _eager_tensor(array: np.ndarray) -> tf.Tensor:
-    """An eager tensor of a host result: on the result's own memory (through DLPack, which
-    holds the array until the tensor is gone) when it is 64-byte aligned, as TensorFlow
-    requires, else on a 64-byte aligned copy. tf.convert_to_tensor copies too, but costs
-    ~50 us even for 4 KiB (DLPack: 2 us, the copy: 2 us)."""
-    if array.size and array.dtype.kind in "fiub" and array.dtype.isnative:
-        if array.ctypes.data % 64 or not array.flags.c_contiguous:
-            array = _aligned_copy(array)
-        try:
-            return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
-        except Exception:  # noqa: BLE001 - a dtype DLPack cannot carry: copied below
-            pass
-    return tf.convert_to_tensor(array)
-
-
-def _aligned_copy(array: np.ndarray) -> np.ndarray:
-    raw = np.empty(array.nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    out = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
-    out[...] = array
-    return out
-
-
 def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence, with_rows: bool = False) -> List[tf.Tensor]:
     """The wait op: synchronize handle `hid`; returns one tensor per dtype.
 
@@ -333,7 +311,7 @@ def wait(hid, dtypes: Sequence[tf.DType], shapes: Sequence, with_rows: bool = Fa
             out.set_shape(shape)
         return list(outs)
     if tf.executing_eagerly():
-        return [_eager_tensor(r) for r in _guarded(fetch)(hid)]
+        return [eager_tensor(r) for r in _guarded(fetch)(hid)]
     native = native_ops.load()
     if native is not None:
         outs = native.op(hid, all_dtypes)
@@ -352,22 +330,9 @@ def _run(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes,
         result = _guarded(lambda *arrays: submit(*arrays).result())(
             *[np.asarray(t) for t in tensors])
         results = result if isinstance(result, (list, tuple)) else [result]
-        return [_eager_tensor(np.asarray(r).astype(d.as_numpy_dtype, copy=False))
+        return [eager_tensor(np.asarray(r).astype(d.as_numpy_dtype, copy=False))
                 for r, d in zip(results, dtypes)]
     return wait(_enqueue(submit, tensors, groupable=groupable), dtypes, shapes)
-
-
-def recording(tensors: Sequence[tf.Tensor]) -> bool:
-    """Whether a gradient tape records an op on these tensors: eagerly, a collective
-    without one needs no tf.custom_gradient around it (which inspects the function's
-    signature and records on every call: most of an eager collective's cost)."""
-    if not tf.executing_eagerly():
-        return True
-    try:
-        from tensorflow.python.eager import record
-    except ImportError:
-        return True
-    return record.should_record_backprop(list(tensors))
 
 
 def run_alone(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes,
@@ -375,8 +340,8 @@ def run_alone(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes,
     """Submit and wait in one op, for a collective that is the only one its graph
     waits on (a gradient reducer's single request of a step), so no other enqueue
     can be held up behind its wait. One Python op instead of two saved 0.3 ms a
-    step on this VM after a compute-heavy step. GPU jobs and eager calls keep the
-    enqueue/wait pair. (TensorFlow converts what fn returns to `dtypes` itself.)"""
+    step on this VM after a compute-heavy step. GPU jobs, eager calls and the native
+    ops keep the enqueue/wait pair. (TensorFlow converts what fn returns to `dtypes` itself.)"""
     if tf.executing_eagerly() or _device_ops(dtypes) or native_ops.load() is not None:
         return wait(_enqueue(submit, tensors, copy), dtypes, shapes)
     _refuse_xla()

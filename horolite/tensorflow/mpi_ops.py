@@ -17,8 +17,9 @@ from horolite.core.ops import Average, ReduceOp
 from .adasum import check_adasum
 from .horovod_basics import HorovodBasics
 from .process_sets import check_process_set, global_process_set, set_rank, set_size
-from .bridge import (_enqueue, _guarded, _resolve_name, _run, enqueue_grouped_allreduce, recording,
+from .bridge import (_enqueue, _guarded, _resolve_name, _run, enqueue_grouped_allreduce,
                      to_tf_error, wait)
+from .eager import recording
 
 __all__ = ["allgather", "broadcast", "alltoall", "join", "barrier", "size_op", "rank_op",
            "local_size_op", "local_rank_op", "process_set_included_op", "allgather_with_gradient", "grouped_allgather", "scale"]
