@@ -58,6 +58,10 @@ void hl_board_set_busy(char *board, int n, int words, size_t mailbox, int r, int
 int hl_board_wait(char *board, int n, int words, size_t mailbox, int64_t round,
                   double timeout_s, double spin_s);
 void hl_board_or(char *board, int n, int words, size_t mailbox, int64_t round, uint64_t *out);
+#define HL_BOARD_ENOTCARRIED ...
+int hl_board_reduce_carried(char *board, int n, int words, size_t mailbox, int64_t round,
+                            int64_t slot, void *out, size_t nbytes, size_t count, int dtype,
+                            int op, double postscale);
 """
 
 

@@ -1,6 +1,7 @@
 /* The control board between the ranks of one host: see shm_board.h. */
 #include "shm_board.h"
 #include "wake.h"
+#include "kernels.h"
 
 #include <limits.h>
 #include <string.h>
@@ -179,6 +180,38 @@ void hl_board_or(char *board, int n, int words, size_t mailbox, int64_t round, u
         for (int w = 0; w < words; w++)
             out[w] |= v[w];
     }
+}
+
+int hl_board_reduce_carried(char *board, int n, int words, size_t mailbox, int64_t round,
+                            int64_t slot, void *out, size_t nbytes, size_t count, int dtype,
+                            int op, double postscale)
+{
+    for (int q = 0; q < n; q++) {
+        const char *box = hl_board_mailbox(board, n, words, mailbox, q, (int)(round & 1));
+        const int64_t *table = (const int64_t *)box;
+        const char *src = NULL;
+        for (int64_t i = 0; i < table[0]; i++) {
+            const int64_t *row = table + 1 + 3 * i;
+            if (row[0] == slot) {
+                if (row[2] != (int64_t)nbytes || row[1] < 0 ||
+                    (size_t)row[1] + nbytes > mailbox)
+                    return HL_BOARD_ENOTCARRIED;
+                src = box + row[1];
+                break;
+            }
+        }
+        if (src == NULL)
+            return HL_BOARD_ENOTCARRIED;
+        int rc = q == 0 ? (memcpy(out, src, nbytes), 0)
+                        : hl_reduce(out, src, count, dtype, op, 1.0);
+        if (rc)
+            return rc;
+    }
+    /* Scaled after the reduced value is rounded to the dtype, as the other paths do
+     * (float16: the sum rounds to float16 first). */
+    if (postscale != 1.0)
+        return hl_scale(out, out, count, dtype, postscale);
+    return 0;
 }
 
 void hl_bell_ring(uint32_t *bell, uint32_t *sleepers)

@@ -56,6 +56,19 @@ int hl_board_wait(char *board, int n, int words, size_t mailbox, int64_t round,
 /* out = the bitwise OR of every rank's vector of slot round & 1. */
 void hl_board_or(char *board, int n, int words, size_t mailbox, int64_t round, uint64_t *out);
 
+/* Small tensors carried in a round: a rank's mailbox of the round's slot then
+ * opens with a table (int64 count, then count triples of int64 cache slot,
+ * byte offset in the mailbox, byte count), the data at those offsets. Every
+ * rank carried the same slot (the round's vectors say so): out = the reduction
+ * of every rank's bytes for `slot`, in rank order (so every rank computes the
+ * same bits), then scaled by postscale. 0, a kernels.h HL_E* code, or
+ * HL_BOARD_ENOTCARRIED when some rank's table lacks the slot or its byte count
+ * is not `nbytes`. */
+#define HL_BOARD_ENOTCARRIED (-20)
+int hl_board_reduce_carried(char *board, int n, int words, size_t mailbox, int64_t round,
+                            int64_t slot, void *out, size_t nbytes, size_t count, int dtype,
+                            int op, double postscale);
+
 /* A futex-backed wait for words shared between processes: the value of *bell (a
  * counter every change of interest bumps with hl_bell_ring) before looking, then
  * hl_bell_sleep(bell, seen, timeout) if what was looked for is not there yet. */

@@ -168,3 +168,9 @@ def test_pretend_hosts_hierarchical_pieces(layout):
 def test_pretend_hosts_process_sets(layout):
     run_pytest_file(os.path.join(PARALLEL, "test_process_sets.py"), ranks_of(layout),
                     {"HOROLITE_TEST_HOST_IDENTITY": layout})
+
+
+@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "mpi-ring")])
+def test_small_collectives(np_, variant):
+    # (mpi-ring: no shared memory, so no board: neither carried nor on the caller's turn)
+    run_pytest_file(os.path.join(PARALLEL, "test_small_collectives.py"), np_, VARIANTS[variant])

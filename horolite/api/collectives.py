@@ -122,7 +122,30 @@ def _submit(kind: Kind, array: Optional[np.ndarray], name: str, transform=None, 
               Handle(name, transform))
     entry = Entry(request=request, array=array, handle=handle, splits=splits, ready=ready,
                   owned=owned, parts=parts)
-    return rt.submit(entry)
+    return rt.submit(entry, _ring())
+
+
+# Set by a synchronous call whose submit is followed at once by the wait: that submit
+# leaves the background thread asleep, since the waiting caller runs the cycle itself
+# (runtime/turns.py). Read, and cleared, by the first submit.
+_waits_now = threading.local()
+
+
+def _ring() -> bool:
+    if getattr(_waits_now, "on", False):
+        _waits_now.on = False
+        return False
+    return True
+
+
+def submit_and_wait(submit, *args):
+    """synchronize(submit(*args)), its submit leaving the background thread asleep."""
+    _waits_now.on = True
+    try:
+        handle = submit(*args)
+    finally:
+        _waits_now.on = False
+    return synchronize(handle)
 
 
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
@@ -139,8 +162,8 @@ def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_fact
         dname = _REDUCIBLE_NAMES.get(array.dtype)
         rt = registry.current()
         if dname is not None and op is not ReduceOp.ADASUM and rt is not None:
-            return rt.queue.submit(Entry(Request(name, _ALLREDUCE, dname, array.shape, int(op)),
-                                         array, Handle(name)))
+            return rt.submit(Entry(Request(name, _ALLREDUCE, dname, array.shape, int(op)),
+                                   array, Handle(name)), _ring())
     return _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum, runtime())
 
 
@@ -170,8 +193,8 @@ def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: fl
     same result for their own, later, submission. `handle.contributors` names the k.
     process_set (every collective takes one): run over that set's ranks only.
     """
-    return synchronize(allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum,
-                                       process_set))
+    return submit_and_wait(allreduce_async, array, op, name, prescale_factor, postscale_factor,
+                            quorum, process_set)
 
 
 def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None,
@@ -248,8 +271,8 @@ def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       quorum: Optional[int] = None,
                       process_set=global_process_set) -> List[np.ndarray]:
-    return synchronize(grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor,
-                                               quorum, process_set))
+    return submit_and_wait(grouped_allreduce_async, arrays, op, name, prescale_factor,
+                            postscale_factor, quorum, process_set)
 
 
 def allgather_async(array, name: Optional[str] = None, process_set=global_process_set) -> Handle:

@@ -1,11 +1,15 @@
 """The per-cycle control message: one bitwise-OR allreduce of a small uint64 vector.
 
-Layout: [flags, fusion threshold, cycle time in us, ready slots..., invalid slots...].
+Layout: [flags, fusion threshold, cycle time in us, ready slots..., invalid slots...,
+carried slots...].
 - flags: OR of every rank's flags (uncached work, shutdown, join, rank 0 must speak);
 - the two settings: only rank 0 writes them, so the OR hands every rank rank 0's values;
 - ready slots: each rank writes the *complement* of the response-cache slots it has
   ready, so the OR of complements is the complement of "ready on every rank";
-- invalid slots: cache slots some rank wants dropped (OR).
+- invalid slots: cache slots some rank wants dropped (OR);
+- carried slots: ready slots whose bytes the rank put in this round's mailbox
+  (execution/carried.py), as complements like the ready ones: the slots every
+  rank carried are reduced from the mailboxes, with no exchange of their own.
 """
 from __future__ import annotations
 
@@ -31,12 +35,13 @@ class Decoded(NamedTuple):
     cycle_seconds: float
     ready: List[int]      # cache slots every rank has ready, ascending
     invalid: List[int]    # cache slots some rank invalidated, ascending
+    carried: List[int]    # ready slots whose bytes every rank carried this round, ascending
 
 
 class ControlVector:
     def __init__(self, cache_capacity: int):
         self.words = (cache_capacity + 63) // 64
-        self.send = np.zeros(_HEADER + 2 * self.words, dtype=np.uint64)
+        self.send = np.zeros(_HEADER + 3 * self.words, dtype=np.uint64)
         self.received = np.zeros_like(self.send)
         self._bits = np.empty(64 * self.words, dtype=bool)  # one per slot, scratch for encode
         # A step that repeats sends and receives the same vectors cycle after cycle: the
@@ -45,9 +50,11 @@ class ControlVector:
         self._received = (None, None)
 
     def encode(self, flags: int, setting: Optional[Tuple[int, float]],
-               ready: Collection[int], invalid: Collection[int]) -> np.ndarray:
-        """This rank's vector; `setting` (fusion bytes, cycle ms) only on rank 0."""
-        key = (flags, setting, tuple(ready), tuple(invalid))
+               ready: Collection[int], invalid: Collection[int],
+               carried: Collection[int] = ()) -> np.ndarray:
+        """This rank's vector; `setting` (fusion bytes, cycle ms) only on rank 0;
+        `carried` a subset of `ready`."""
+        key = (flags, setting, tuple(ready), tuple(invalid), tuple(carried))
         vec = self.send
         if key == self._sent_key:
             return vec  # the same as last cycle's, still in `send`
@@ -57,10 +64,12 @@ class ControlVector:
         if setting is not None:
             vec[1] = setting[0]
             vec[2] = int(round(setting[1] * 1000))
-        if self.words:
-            vec[_HEADER:_HEADER + self.words] = self._words(ready, True)
+        w = self.words
+        if w:
+            vec[_HEADER:_HEADER + w] = self._words(ready, True)
             if invalid:
-                vec[_HEADER + self.words:] = self._words(invalid, False)
+                vec[_HEADER + w:_HEADER + 2 * w] = self._words(invalid, False)
+            vec[_HEADER + 2 * w:] = self._words(carried, True)
         self._sent_key = key
         return vec
 
@@ -94,7 +103,8 @@ class ControlVector:
         w = self.words
         decoded = Decoded(int(out[0]), int(out[1]), int(out[2]) / 1e6,
                           _bits(~out[_HEADER:_HEADER + w]) if w else [],
-                          _bits(out[_HEADER + w:]) if w else [])
+                          _bits(out[_HEADER + w:_HEADER + 2 * w]) if w else [],
+                          _bits(~out[_HEADER + 2 * w:]) if w else [])
         self._received = (raw, decoded)
         return decoded
 

@@ -58,7 +58,7 @@ class TensorQueue:
         # close(error) fails what it holds and what comes later.
         self.intake = None
 
-    def submit(self, entry: Entry) -> Handle:
+    def submit(self, entry: Entry, ring: bool = True) -> Handle:
         name = entry.request.name
         if self._closed is not None and self.after_close is not None and \
                 self.after_close(entry):
@@ -72,11 +72,16 @@ class TensorQueue:
                     "rank; wait for it (synchronize) or use another name")
             self._inflight[name] = entry
             self._new.append(entry)
-        self.wake.set()
+        if ring:
+            self.wake.set()
         return entry.handle
 
     def has_inflight(self) -> bool:
         return bool(self._inflight)
+
+    def has_new(self) -> bool:
+        """Whether anything was submitted since the last take_new."""
+        return bool(self._new) or (self.intake is not None and self.intake.pending())
 
     def take_new(self) -> List[Entry]:
         intake = self.intake

@@ -20,7 +20,7 @@ class Handle:
     # on (threading.Event builds a Condition per handle); it is made only when someone
     # must wait, since most handles of a step are done by the time they are asked.
     __slots__ = ("name", "_done", "_gate", "_result", "_exception", "_callbacks", "_transform",
-                 "first_dims", "contributors")
+                 "first_dims", "contributors", "helper")
 
     def __init__(self, name: str, transform: Optional[Callable[[Any], Any]] = None):
         self.name = name
@@ -35,6 +35,9 @@ class Handle:
         self.first_dims = None
         # A quorum allreduce's: the ranks whose inputs were reduced (quorum.py).
         self.contributors = None
+        # Set by a runtime that lets a waiting caller run its cycles (runtime/turns.py):
+        # called with this handle before a wait without timeout blocks.
+        self.helper = None
 
     def done(self) -> bool:
         return self._done
@@ -42,6 +45,10 @@ class Handle:
     def _wait(self, timeout: Optional[float]) -> bool:
         if self._done:
             return True
+        if timeout is None and self.helper is not None:
+            self.helper(self)
+            if self._done:
+                return True
         with _callback_lock:
             if self._done:
                 return True

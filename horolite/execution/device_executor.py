@@ -134,7 +134,7 @@ class DeviceExecutor:
                                        f"{type(exc).__name__}: {exc}") from exc
         if first.joined or first.kind in (Kind.ALLGATHER, Kind.ALLTOALL):
             for resp, entry, value in zip(batch, entries, results):
-                host._complete(resp, entry, value)
+                host.complete(resp, entry, value)
             return
         host.queue.finish_all([r.name for r in batch])
         Handle.set_results([e.handle for e in entries], results)

@@ -111,7 +111,7 @@ class Executor:
                     self.quorum.run(first, batch_entries[0],
                                     _error_for(first) if first.error is not None else None)
                 elif first.error is not None:
-                    self._complete(first, batch_entries[0], error=_error_for(first))
+                    self.complete(first, batch_entries[0], error=_error_for(first))
                 elif first.device != "cpu":
                     self._run_device(batch, batch_entries)
                 elif first.kind == Kind.ALLREDUCE and first.op == ReduceOp.ADASUM:
@@ -127,16 +127,16 @@ class Executor:
                 elif first.kind == Kind.REDUCESCATTER:
                     self._reducescatter(first, batch_entries[0])
                 elif first.kind == Kind.BARRIER:
-                    self._complete(first, batch_entries[0], None)
+                    self.complete(first, batch_entries[0], None)
                 elif first.kind == Kind.JOIN:
-                    self._complete(first, batch_entries[0], first.last_joined)
+                    self.complete(first, batch_entries[0], first.last_joined)
                 else:
                     raise HorovodInternalError(f"unknown collective {first.kind!r}")
             except StallError:
                 raise  # a peer stopped answering: the whole runtime ends (runtime._loop)
             except HorovodInternalError as e:
                 for resp, entry in zip(batch, batch_entries):
-                    self._complete(resp, entry, error=e)
+                    self.complete(resp, entry, error=e)
         return reduced
 
     def _plan(self, responses: Sequence[Response]):
@@ -167,7 +167,7 @@ class Executor:
         self.device.run(self, batch, entries)
 
     # ---- completion ----
-    def _complete(self, resp: Response, entry: Optional[Entry], value=None, error=None) -> None:
+    def complete(self, resp: Response, entry: Optional[Entry], value=None, error=None) -> None:
         if entry is None:  # a joined rank's zero contribution: nobody waits for it
             return
         self.queue.finish(resp.name)
@@ -252,7 +252,7 @@ class Executor:
             else:
                 self.transport.allreduce(out.reshape(-1), op, postscale, f"tensor '{first.name}'")
             self._span(names, "ALLREDUCE", start, time.monotonic())
-            self._complete(first, entry, out)
+            self.complete(first, entry, out)
             return out.nbytes
         outputs = [self.outputs.empty(inputs[0].shape, inputs[0].dtype)]
         if first.prescale == 1.0:
@@ -267,7 +267,7 @@ class Executor:
             self._span(names, "MEMCPY_IN_FUSION_BUFFER", start, t1)
             self.transport.allreduce(flat, op, postscale, f"tensor '{first.name}'")
             self._span(names, "ALLREDUCE", t1, time.monotonic())
-        self._complete(first, entries[0], outputs[0])
+        self.complete(first, entries[0], outputs[0])
         return outputs[0].nbytes
 
     def _allgather(self, resp: Response, entry: Entry) -> None:
@@ -283,7 +283,7 @@ class Executor:
         out_bytes[bounds[self.rank]:bounds[self.rank + 1]] = array.reshape(-1).view(np.uint8)
         self.transport.allgather(out_bytes, bounds)
         self._span([resp.name], "ALLGATHER", start, time.monotonic())
-        self._complete(resp, entry, out)
+        self.complete(resp, entry, out)
 
     def _broadcast(self, resp: Response, entry: Entry) -> None:
         start = self._queue_spans([resp], [entry])
@@ -293,7 +293,7 @@ class Executor:
             out = np.empty(entry.array.shape, dtype=entry.array.dtype)
         self.transport.broadcast(out.reshape(-1).view(np.uint8), resp.root)
         self._span([resp.name], "BROADCAST", start, time.monotonic())
-        self._complete(resp, entry, out)
+        self.complete(resp, entry, out)
 
     def _alltoall(self, resp: Response, entry: Entry) -> None:
         start = self._queue_spans([resp], [entry])
@@ -304,7 +304,7 @@ class Executor:
                                                   entry.splits, row_bytes)
         out = recv.view(array.dtype).reshape((int(recv_rows.sum()),) + row_shape)
         self._span([resp.name], "ALLTOALL", start, time.monotonic())
-        self._complete(resp, entry, (out, recv_rows))
+        self.complete(resp, entry, (out, recv_rows))
 
     def _reducescatter(self, resp: Response, entry: Entry) -> None:
         start = self._queue_spans([resp], [entry])
@@ -324,4 +324,4 @@ class Executor:
             my_rows = base + (1 if self.rank < extra else 0)
         out = mine.copy().reshape((my_rows,) + tuple(array.shape[1:]))
         self._span([resp.name], "REDUCESCATTER", start, time.monotonic())
-        self._complete(resp, entry, out)
+        self.complete(resp, entry, out)

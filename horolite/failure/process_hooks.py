@@ -144,7 +144,7 @@ class ForkedRuntime:
                          "the parent, or start workers with multiprocessing's 'spawn' "
                          "method and init() there")
 
-    def submit(self, entry):
+    def submit(self, entry, ring: bool = True):
         raise HorovodInternalError(f"tensor '{entry.request.name}': {self._message}")
 
     def shutdown(self, *args, **kwargs) -> None:

@@ -27,7 +27,11 @@ from ..failure.channel import FailureChannel, PeerFailure, launcher_marker
 from ..failure.heartbeat import Heartbeat
 from ..failure.links import LinkLost, LinkWatch
 from .job_end import JobEnd
+from .pacing import Pacing
+from .turns import Turns
 from .topology import Topology
+from ..coordination.cache_hits import CacheHits
+from ..execution.carried import Carrier
 from ..execution.executor import Executor
 from ..core.messages import JOIN_NAME, Kind
 from ..coordination.negotiation import Coordinator
@@ -51,8 +55,6 @@ _log = logging.getLogger("horolite")
 # A tensor waiting on cache bits this long falls back to full negotiation, so
 # rank 0 can see it (and report it if it stalls).
 CACHE_DEMOTE_SECONDS = 1.0
-# Longest pause between cycles while this rank has nothing in flight.
-IDLE_MAX_SECONDS = 0.1
 # Why rank 0 stops the job (the reason word travels with the response list).
 _STOP_ERRORS = {"stall": StallError, "control": ControlMessageError}
 
@@ -129,6 +131,16 @@ class Runtime(JobEnd):
         if self.nccl is not None:
             from ..execution.device_executor import DeviceExecutor
             self.executor.device = DeviceExecutor(self.nccl, cfg.fusion_threshold)
+        self.pacing = Pacing(self.queue, self.transport.board, self.executor.quorum)
+        # Small cached allreduces ride in the board's control round (execution/carried.py).
+        self.carrier = (Carrier(self.transport.board, self.executor)
+                        if self.transport.board is not None and self.cache.capacity else None)
+        self.hits = CacheHits(self.cache, self.carrier,
+                              min(CACHE_DEMOTE_SECONDS, cfg.stall_check_time_seconds / 2))
+        # A caller that waits runs the cycles itself (turns.py), on one host.
+        self.turns = Turns(self._cycle, lambda: self.timeline.flush(), self._wanted,
+                           self.queue.wake, self.rank)
+        self._helper = self.turns.caller if self.transport.board is not None else None
         self.coordinator = (Coordinator(self.size, self.job_ranks if leader is not None else None)
                             if self.rank == 0 else None)
         self.stall = (StallInspector(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds,
@@ -136,7 +148,6 @@ class Runtime(JobEnd):
                                      lambda job_rank: self._where_in_job(self.job_ranks.index(job_rank)))
                       if self.rank == 0 and not cfg.stall_check_disable else None)
         self._unsent: List[Entry] = []
-        self._waiting: Dict[int, Entry] = {}  # cache slot -> entry waiting for all ranks
         self._invalid: set = set()
         self._joined = False
         self._shutdown_requested = threading.Event()
@@ -144,7 +155,6 @@ class Runtime(JobEnd):
         self._exiting: Optional[int] = None
         self._hard_exit: Optional[threading.Event] = None  # set: the hard exit is cancelled
         self._fatal: Optional[BaseException] = None
-        self._demote_after = min(CACHE_DEMOTE_SECONDS, cfg.stall_check_time_seconds / 2)
         self._cycle_seconds = cfg.cycle_time_ms / 1000.0
         self.autotuner = (Autotuner(cfg, start=parse_start(cfg.autotune_start))
                           if cfg.autotune and self.rank == 0 else None)
@@ -174,8 +184,19 @@ class Runtime(JobEnd):
         return f"rank {job} (host {host})"
 
     # ---- caller side ----
-    def submit(self, entry: Entry):
-        return self.queue.submit(entry)
+    def submit(self, entry: Entry, ring: bool = True):
+        """Queue `entry`. ring=False: its caller waits for it at once and runs the cycle
+        itself (turns.py), so the background thread is left asleep."""
+        helper = entry.handle.helper = self._helper
+        return self.queue.submit(entry, ring or helper is None)
+
+    def _wanted(self, peers: bool = True) -> bool:
+        """Whether a cycle is needed now: work here, shutdown, or (`peers`) a peer
+        waiting in a round this rank has not entered."""
+        board = self.transport.board
+        return (self.queue.has_new() or self.queue.has_inflight()
+                or self._shutdown_requested.is_set()
+                or (peers and board is not None and board.awaited()))
 
     def shutdown(self, timeout: float = 30.0, exiting: Optional[int] = None) -> None:
         """Ask every rank to stop; fail what is pending; never hang. `exiting`: this
@@ -212,12 +233,10 @@ class Runtime(JobEnd):
 
     # ---- background thread ----
     def _loop(self) -> None:
-        idle_cycles = 0
         try:
             while True:
                 start = time.monotonic()
-                alive = self._cycle()
-                self.timeline.flush()  # one write per cycle, whatever the number of events
+                alive = self.turns.background()  # flushes the timeline: one write per cycle
                 if not alive:
                     # Every rank stops at the same agreed cycle, so collective cleanup is safe.
                     self.transport.close()
@@ -226,28 +245,7 @@ class Runtime(JobEnd):
                             self.heartbeat.close(self._unreachable())
                         self.failures.close()
                     break
-                inflight = self.queue.has_inflight()
-                if self.transport.board is not None:
-                    self.transport.board.set_busy(inflight)
-                if inflight:
-                    # Work is waiting on other ranks: space the cycles out, but start
-                    # at once when new work arrives (a tight loop submits while we run),
-                    # or when a peer brings new work (the board rings this rank).
-                    idle_cycles = 0
-                    remaining = self._cycle_seconds - (time.monotonic() - start)
-                    if remaining > 0:
-                        self.queue.wake.wait(remaining)
-                else:
-                    # Nothing in flight here, so no other rank can be waiting on this one
-                    # until it submits (and submitting wakes us): after a couple of cycles,
-                    # back off to IDLE_MAX_SECONDS; a cycle starts as soon as work arrives.
-                    # (Not while quorum allreduces run: they need this rank without its work.
-                    # Through the board a peer that needs this rank rings it: at once.)
-                    idle_cycles += 1
-                    quick = idle_cycles <= 2 and self.transport.board is None
-                    pause = (self._cycle_seconds if quick or self.executor.quorum.active(start)
-                             else max(self._cycle_seconds, IDLE_MAX_SECONDS))
-                    self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))
+                self.pacing.rest(start, self._cycle_seconds)
         except PeerFailure as e:  # heard inside a wait: another rank failed (or this one)
             self._end_for_failure(e.notice)
         except LinkLost as e:  # a peer's connection closed: no more sends to it
@@ -274,7 +272,7 @@ class Runtime(JobEnd):
         if self._mark_cycles:
             self.timeline.instant("CYCLE_START")
         lookup = self.cache.lookup if self.cache.capacity else None
-        waiting = self._waiting
+        hits = self.hits
         for entry in self.queue.take_new():
             entry.taken = now
             req = entry.request
@@ -285,21 +283,13 @@ class Runtime(JobEnd):
                 self._unsent.append(entry)
                 continue
             status, slot = lookup(req) if lookup is not None else (MISS, -1)
-            if status is HIT and slot not in waiting:
-                waiting[slot] = entry
-            else:
+            if status is not HIT or not hits.hold(slot, entry):
                 if status is INVALID:
                     self._invalid.add(slot)
                 self._unsent.append(entry)
-        # Oldest first (insertion order is submission order), so stop at the first young one.
-        expired = []
-        for slot, entry in waiting.items():
-            if now - entry.taken <= self._demote_after:
-                break
-            expired.append(slot)
-        for slot in expired:
+        for slot, entry in hits.expired(now):
             self._invalid.add(slot)
-            self._unsent.append(waiting.pop(slot))
+            self._unsent.append(entry)
 
         flags = 0
         if self._unsent:
@@ -319,15 +309,15 @@ class Runtime(JobEnd):
         if self.leader is not None and self.rank == 0:
             self._setting = self._set_setting()
         vec = control.encode(flags, self._setting if self.rank == 0 else None,
-                             self._waiting, self._invalid)
+                             hits.waiting, self._invalid, hits.post())
         self._invalid.clear()
         # Nothing of this rank's rides on an idle cycle's exchange (which may wait for a
         # peer's next cycle for a whole step): it is polled slowly until work arrives.
         idle = (self.queue.wake if not flags and not self.queue.has_inflight()
                 and not self.executor.quorum.active(now) else None)
         self.transport.control_or(vec, control.received, idle, urgent=bool(flags))
-        global_flags, fusion_threshold, self._cycle_seconds, ready_slots, invalid_slots = \
-            control.decode()
+        global_flags, fusion_threshold, self._cycle_seconds, ready_slots, invalid_slots, \
+            carried_slots = control.decode()
         self.executor.set_fusion_threshold(fusion_threshold)
 
         if global_flags & SHUTDOWN:
@@ -342,30 +332,16 @@ class Runtime(JobEnd):
             return False
 
         for slot in invalid_slots:
-            entry = self._waiting.pop(slot, None)
+            entry = hits.pop(slot)
             if entry is not None:
                 self._unsent.append(entry)
             self.cache.erase(slot)
-        if ready_slots:
-            # Per tensor, every step: whole-list operations, no Python step per slot
-            # unless the timeline is on.
-            if invalid_slots:
-                dropped = set(invalid_slots)
-                ready_slots = [slot for slot in ready_slots if slot not in dropped]
-            responses = self.cache.responses(ready_slots)
-            entries = list(map(self._waiting.pop, ready_slots))
-            if self.timeline.enabled:
-                for resp, entry in zip(responses, entries):
-                    entry.responded = now
-                    self.timeline.span(resp.name, "NEGOTIATE", entry.taken, now,
-                                       {"cached": True})
-        else:
-            responses, entries = [], []
+        responses, entries, reduced = hits.ready(ready_slots, invalid_slots, carried_slots,
+                                                 self.timeline, now)
 
         if global_flags & JOINED:
             # A joined rank sets no cache bits: everything goes through rank 0 until all join.
-            self._unsent.extend(self._waiting.values())
-            self._waiting.clear()
+            self._unsent.extend(hits.drain())
 
         agreed_stop = None
         # Every rank takes this branch or none: it depends only on reduced values.
@@ -389,9 +365,10 @@ class Runtime(JobEnd):
                 entries.append(entry)
 
         if responses:
-            reduced = self.executor.run(responses, entries)
-            if self.autotuner is not None and self.autotuner.observe(time.monotonic(), reduced):
-                self._setting = self.autotuner.setting
+            reduced += self.executor.run(responses, entries)
+        if (responses or carried_slots) and self.autotuner is not None and \
+                self.autotuner.observe(time.monotonic(), reduced):
+            self._setting = self.autotuner.setting
         if agreed_stop:
             reason, message = agreed_stop
             _log.error("rank %d: %s", self.rank, message)
@@ -406,6 +383,6 @@ class Runtime(JobEnd):
         return self.queue.get(JOIN_NAME)
 
     def _demote(self, slot: int) -> None:
-        entry = self._waiting.pop(slot, None)
+        entry = self.hits.pop(slot)
         if entry is not None:
             self._unsent.append(entry)

@@ -101,7 +101,7 @@ class JobEnd:
             exc.horolite_peer = getattr(error, "horolite_peer", None)
             entry.handle._set_exception(exc)
         self._unsent.clear()
-        self._waiting.clear()
+        self.hits.drain()
         return len(pending)
 
     def _end_for_mpi_error(self, exc: BaseException) -> None:

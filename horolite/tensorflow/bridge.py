@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 import horolite as _core
-from horolite.api.collectives import _grouped_allreduce_async
+from horolite.api.collectives import _grouped_allreduce_async, submit_and_wait
 from horolite.errors import HorovodInternalError, NotInitializedError
 from horolite.core.ops import Average, ReduceOp
 
@@ -327,7 +327,7 @@ def _run(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes,
     if tf.executing_eagerly() and not _nccl_active():
         # Submit and wait in one call: the tensors outlive it, so the runtime reads them
         # where they lie (no copy), and the result becomes a tensor on its own memory.
-        result = _guarded(lambda *arrays: submit(*arrays).result())(
+        result = _guarded(lambda *arrays: submit_and_wait(submit, *arrays))(
             *[np.asarray(t) for t in tensors])
         results = result if isinstance(result, (list, tuple)) else [result]
         return [eager_tensor(np.asarray(r).astype(d.as_numpy_dtype, copy=False))
@@ -349,7 +349,7 @@ def run_alone(submit: Callable, tensors: Sequence[tf.Tensor], dtypes, shapes,
     def fn(*arrays):
         if copy:
             arrays = [np.array(a, copy=True) for a in arrays]
-        return submit(*arrays).result()
+        return submit_and_wait(submit, *arrays)
 
     outs = tf.numpy_function(fn, list(tensors), list(dtypes), stateful=True, name="HorolitCollective")
     for out, shape in zip(outs, shapes):

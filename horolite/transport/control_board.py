@@ -25,12 +25,19 @@ import numpy as np
 from mpi4py import MPI
 
 from .._native import ffi as _ffi, lib as _lib
+from ..core import kernels
 from ..core.wake import Wake
+from ..errors import HorovodInternalError
 
 __all__ = ["ControlBoard", "MAILBOX_BYTES", "open_control_board"]
 
 # Bytes each rank can post in one round; longer messages take several rounds.
-MAILBOX_BYTES = 16 << 10
+MAILBOX_BYTES = 64 << 10
+# A control round's mailbox opens with the table of the small tensors it carries
+# (hl_board_reduce_carried: a count, then (slot, offset, bytes) per tensor); their
+# bytes follow, each on a line of its own.
+CARRY_TABLE_BYTES = 1024
+CARRY_MAX_TENSORS = (CARRY_TABLE_BYTES - 8) // 24
 # How long a wait spins before it sleeps (more ranks than cores: barely).
 SPIN_SECONDS, POLITE_SPIN_SECONDS = 50e-6, 2e-6
 # How often a wait comes back to hear of failures and stalls (collective_watch.py).
@@ -61,7 +68,10 @@ class ControlBoard:
                                    np.uint8) for p in (0, 1)] for q in range(self.size)]
         self._lengths = [[self._view(_lib.hl_board_vector(*self._args, q, p), words * 8,
                                      np.uint64) for p in (0, 1)] for q in range(self.size)]
+        self._tables = [self._view(_lib.hl_board_mailbox(*self._args, self.rank, p),
+                                   CARRY_TABLE_BYTES, np.int64) for p in (0, 1)]
         self._round = 0
+        self._carried_round = -1  # the last control round (what reduce_carried reads)
         self._busy = False
         self._out = None  # (the array exchange_or last wrote to, a pointer to it)
 
@@ -78,6 +88,10 @@ class ControlBoard:
         """The ranks that have not entered the current round (what a wait waits for)."""
         return [q for q in range(self.size)
                 if _lib.hl_board_entered(*self._args, q) <= self._round]
+
+    def awaited(self) -> bool:
+        """Whether some rank has entered the round this rank has not (it waits for it)."""
+        return len(self.behind()) < self.size
 
     def set_busy(self, busy: bool) -> None:
         """Say whether this rank has work in flight (a peer bringing new ready work rings it)."""
@@ -117,10 +131,48 @@ class ControlBoard:
         else:
             ring = _lib.HL_BOARD_RING_NONE
         self.set_busy(idle is None)
-        k = self._run(watch, idle, ring)
+        k = self._carried_round = self._run(watch, idle, ring)
         if self._out is None or self._out[0] is not out:  # the same array every cycle
             self._out = (out, _ffi.cast("uint64_t *", _ffi.from_buffer(out)))
         _lib.hl_board_or(*self._args, k, self._out[1])
+
+    def post(self, items) -> List[int]:
+        """Put (slot, arrays, prescale) items in the mailbox of the next control round
+        (exchange_or), in order, while they fit; the slots posted. `arrays` (C-contiguous)
+        are packed back to back, scaled by `prescale`."""
+        p = self._round & 1
+        box = self._boxes[self.rank][p]
+        offset, rows = CARRY_TABLE_BYTES, []
+        for slot, arrays, prescale in items:
+            if len(rows) == 3 * CARRY_MAX_TENSORS:
+                break
+            nbytes = sum([a.nbytes for a in arrays])
+            if offset + nbytes > MAILBOX_BYTES:
+                continue
+            if prescale == 1.0 and len(arrays) == 1:
+                box[offset:offset + nbytes] = arrays[0].reshape(-1).view(np.uint8)
+            else:
+                kernels.pack(box[offset:offset + nbytes], arrays, prescale)
+            rows += (slot, offset, nbytes)
+            offset += (nbytes + 63) & ~63
+        table = self._tables[p]
+        if rows:
+            table[1:1 + len(rows)] = rows
+        table[0] = len(rows) // 3
+        return rows[::3]
+
+    def reduce_carried(self, slot: int, out: np.ndarray, dtype: int, op: int,
+                       postscale: float) -> None:
+        """out (C-contiguous) = every rank's bytes for `slot` in the last control round,
+        reduced in rank order, then scaled by `postscale`: the same bits on every rank.
+        dtype and op: kernels.native_codes."""
+        rc = _lib.hl_board_reduce_carried(*self._args, self._carried_round, slot,
+                                          _ffi.from_buffer(out, require_writable=True),
+                                          out.nbytes, out.size, dtype, op, postscale)
+        if rc:
+            raise HorovodInternalError(
+                f"the control board's round {self._carried_round} lacks a carried tensor "
+                f"(cache slot {slot}, {out.nbytes} bytes) of some rank (error {rc})")
 
     def gather_bytes(self, data: bytes, root: int = 0, watch=None) -> Optional[List[bytes]]:
         """Every rank's `data` at `root` (a list in rank order; None elsewhere)."""

@@ -51,9 +51,9 @@ def test_many_slots_match_set_arithmetic():
 
 
 def test_the_last_slot_of_a_large_cache_and_the_received_vector():
-    # 4096 slots: exactly 64 words each way, the last slot in the last bit.
+    # 4096 slots: exactly 64 words for each bitmap, the last slot in the last bit.
     ranks = [ControlVector(4096) for _ in range(2)]
-    assert ranks[0].send.size == 3 + 2 * 64
+    assert ranks[0].send.size == 3 + 3 * 64
     sent = [c.encode(0, None, [4095, 64], [4095]).copy() for c in ranks]
     ranks[1].received[:] = reduce_or(sent)  # what the runtime's allreduce writes into
     d = ranks[1].decode()  # default: the received vector

@@ -105,7 +105,7 @@ class RuntimeWithoutNccl:
     def __init__(self):
         self.entries = []
 
-    def submit(self, entry):
+    def submit(self, entry, ring=True):
         self.entries.append(entry)
         return entry.handle
 

@@ -100,7 +100,7 @@ class FakeHost:
     def _span(self, *args):
         pass
 
-    def _complete(self, resp, entry, value=None, error=None):
+    def complete(self, resp, entry, value=None, error=None):
         if entry is not None:
             entry.handle._set_result(value)
 
