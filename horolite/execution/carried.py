@@ -44,6 +44,7 @@ class Carrier:
         self.executor = executor
         self.limit = CARRY_READ_BYTES // board.size
         self.carried = 0  # tensors completed from the control round (tests read it)
+        self.rounds = 0  # control rounds that carried any: batches, as fused_batches counts
 
     def eligible(self, entry: Entry) -> bool:
         """Whether a cache hit can ride in the control round: a host allreduce the
@@ -97,6 +98,7 @@ class Carrier:
             complete(resp, entry, out)
             reduced += out.nbytes
         self.carried += len(slots)
+        self.rounds += 1
         if timeline.enabled:
             end = time.monotonic()
             for resp in responses:
