@@ -146,7 +146,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("SHARED_MEMORY", bool, True,
             "when every rank is on one host, allreduce goes through a window of shared memory "
             "(each byte copied in once, then reduced by its owner straight into every rank's "
-            "result) instead of the ring over MPI; `0` keeps the ring",
+            "result) instead of the ring over MPI, and the per-cycle control exchange goes "
+            "through shared memory too (across hosts: within each host, one rank per host on "
+            "the network); `0` keeps the ring and MPI's collectives between every rank",
             "shared_memory", flag_false="--no-shared-memory"),
     Setting("AUTOTUNE", bool, False,
             "`1`: rank 0 tunes the cycle time, then the fusion threshold, from the bytes/s it "

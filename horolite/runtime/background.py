@@ -43,6 +43,7 @@ from ..core.timeline import SetTimeline, open_timeline
 from ..transport.mpi import MPITransport, oversubscribed
 from ..transport.shared_memory import open_shared_memory
 from ..transport.control_board import open_control_board
+from ..transport.host_control import open_host_control
 from ..failure.shm_files import report_to_launcher as report_shm_files
 from ..transport.hierarchical import open_hierarchical
 from ..transport.nccl import create_nccl_transport
@@ -109,17 +110,22 @@ class Runtime(JobEnd):
                                      self.heartbeat)
         self.doomed: Optional[BaseException] = None  # set when this process must end
         self._control = ControlVector(cfg.cache_capacity)
-        self.transport = MPITransport(comm, polite=polite, shared_memory=shared,
-                                      watch=self.watch, channel=self.failures,
-                                      links=self.links, board=open_control_board(
-                                          comm, self._control.send.size, polite,
-                                          shared is not None))
+        # The control exchange: on one host through the shared-memory board; across hosts
+        # through each host's board and one rank per host (host_control.py).
+        words = self._control.send.size
+        board = open_control_board(comm, words, polite, shared is not None)
+        self.transport = MPITransport(
+            comm, polite=polite, shared_memory=shared, watch=self.watch,
+            channel=self.failures, links=self.links, board=board,
+            host_control=None if board is not None else open_host_control(
+                comm, words, polite, cfg.shared_memory and shared is None))
         (self.transport.hierarchical_allreduce,
          self.transport.hierarchical_allgather) = open_hierarchical(
             comm, self.transport.waiter, cfg.hierarchical_allreduce, cfg.hierarchical_allgather)
         self.queue = TensorQueue()
-        if self.transport.board is not None:  # peers entering a round ring it too
-            self.queue.wake = self.transport.board.wake
+        doorbell = (board or self.transport.host_control or self.queue).wake
+        if doorbell is not None:  # peers entering a round ring it too
+            self.queue.wake = doorbell
         self.cache = ResponseCache(cfg.cache_capacity)
         self.timeline = (open_timeline(cfg.timeline, self.rank) if leader is None else
                          SetTimeline(leader, timeline_prefix))

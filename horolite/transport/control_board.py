@@ -117,14 +117,16 @@ class ControlBoard:
         return k
 
     def exchange_or(self, vector: np.ndarray, out: np.ndarray, watch=None, idle=None,
-                     urgent: bool = False) -> None:
+                     urgent: bool = False, quiet: bool = False) -> None:
         """out = the bitwise OR of every rank's uint64 `vector` (this round's). `urgent`:
         the vector asks every rank to act (flags), so it wakes every rank not in the round;
         otherwise a vector that changed since this rank's last round (new work ready)
-        wakes the ranks with work in flight, and an unchanged one nobody."""
+        wakes the ranks with work in flight, and an unchanged one nobody; `quiet`: nobody."""
         mine = self._vectors[self._round & 1]
         mine[:] = vector
-        if urgent:
+        if quiet:  # every rank is on its way into this round already
+            ring = _lib.HL_BOARD_RING_NONE
+        elif urgent:
             ring = _lib.HL_BOARD_RING_ALL
         elif mine.tobytes() != self._vectors[(self._round - 1) & 1].tobytes():
             ring = _lib.HL_BOARD_RING_BUSY

@@ -179,20 +179,56 @@ class PointToPoint:
         self._waiter.wait_all(reqs, self.right)
 
 
+def gather_bytes(comm: MPI.Comm, waiter, data: bytes, root: int = 0):
+    """Every rank's `data` at `root` over `comm` (a list in rank order; None elsewhere)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    waiter.guard()
+    lengths = np.empty(size, dtype=np.int64) if rank == root else None
+    wait = waiter.wait
+    wait(comm.Igather(np.array([len(data)], dtype=np.int64), lengths, root=root))
+    if rank != root:
+        wait(comm.Igatherv(np.frombuffer(data, dtype=np.uint8), None, root=root))
+        return None
+    offsets = np.zeros(size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    out = np.empty(int(offsets[-1]), dtype=np.uint8)
+    wait(comm.Igatherv(np.frombuffer(data, dtype=np.uint8),
+                       [out, lengths, offsets[:-1], MPI.BYTE], root=root))
+    raw = out.tobytes()
+    return [raw[offsets[q]:offsets[q + 1]] for q in range(size)]
+
+
+def bcast_bytes(comm: MPI.Comm, waiter, data, root: int = 0) -> bytes:
+    """`data` from `root` (ignored elsewhere) on every rank of `comm`."""
+    rank = comm.Get_rank()
+    waiter.guard()
+    length = np.array([len(data) if rank == root else 0], dtype=np.int64)
+    waiter.wait(comm.Ibcast(length, root=root))
+    buf = (np.frombuffer(data, dtype=np.uint8).copy() if rank == root
+           else np.empty(int(length[0]), dtype=np.uint8))
+    waiter.wait(comm.Ibcast(buf, root=root))
+    return data if rank == root else buf.tobytes()
+
+
 class MPITransport:
     """Host-memory collectives: the ring for reductions and gathers, MPI for the rest."""
 
     device = "cpu"
 
     def __init__(self, comm: MPI.Comm, polite: bool, shared_memory=None, watch=None,
-                 channel=None, links=None, board=None):
+                 channel=None, links=None, board=None, host_control=None):
         """shared_memory: a shared_memory.SharedMemoryAllreduce for allreduce when every
         rank is on this host, else None (the ring over MPI). board: a
         control_board.ControlBoard that then carries the control exchange and
-        negotiation, else None (MPI's collectives). watch, channel, links: see Waiter."""
+        negotiation, else None: then host_control, a host_control.HostControl where ranks
+        share hosts across several hosts, or None (MPI's collectives over every rank).
+        watch, channel, links: see Waiter."""
         self.waiter = Waiter(polite, watch, channel, links)
         self.shared_memory = shared_memory
         self.board = board
+        self.host_control = host_control
+        if host_control is not None:
+            host_control.waiter = self.waiter
         self.data_comm = comm.Dup()
         self.control_comm = comm.Dup()
         self.link = PointToPoint(self.data_comm, self.waiter)
@@ -222,6 +258,9 @@ class MPITransport:
         if self.board is not None:
             self.board.exchange_or(vector, out, self.waiter.watch, idle, urgent)
             return
+        if self.host_control is not None:
+            self.host_control.exchange_or(vector, out, idle, urgent)
+            return
         self.waiter.guard()
         req = self.control_comm.Iallreduce(vector, out, op=MPI.BOR)
         self.waiter.wait(req, idle=idle)
@@ -230,34 +269,17 @@ class MPITransport:
         """Every rank's `data` at `root` (a list in rank order; None elsewhere)."""
         if self.board is not None:
             return self.board.gather_bytes(data, root, self.waiter.watch)
-        comm = self.control_comm
-        self.waiter.guard()
-        lengths = np.empty(self.size, dtype=np.int64) if self.rank == root else None
-        wait = self.waiter.wait
-        wait(comm.Igather(np.array([len(data)], dtype=np.int64), lengths, root=root))
-        if self.rank != root:
-            wait(comm.Igatherv(np.frombuffer(data, dtype=np.uint8), None, root=root))
-            return None
-        offsets = np.zeros(self.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        out = np.empty(int(offsets[-1]), dtype=np.uint8)
-        wait(comm.Igatherv(np.frombuffer(data, dtype=np.uint8),
-                           [out, lengths, offsets[:-1], MPI.BYTE], root=root))
-        raw = out.tobytes()
-        return [raw[offsets[q]:offsets[q + 1]] for q in range(self.size)]
+        if self.host_control is not None and root == 0:
+            return self.host_control.gather_bytes(data)
+        return gather_bytes(self.control_comm, self.waiter, data, root)
 
     def bcast_bytes(self, data, root: int = 0) -> bytes:
         """`data` from `root` (ignored elsewhere) on every rank."""
         if self.board is not None:
             return self.board.bcast_bytes(data, root, self.waiter.watch)
-        comm = self.control_comm
-        self.waiter.guard()
-        length = np.array([len(data) if self.rank == root else 0], dtype=np.int64)
-        self.waiter.wait(comm.Ibcast(length, root=root))
-        buf = (np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root
-               else np.empty(int(length[0]), dtype=np.uint8))
-        self.waiter.wait(comm.Ibcast(buf, root=root))
-        return data if self.rank == root else buf.tobytes()
+        if self.host_control is not None and root == 0:
+            return self.host_control.bcast_bytes(data)
+        return bcast_bytes(self.control_comm, self.waiter, data, root)
 
     def allgather_ints(self, values: np.ndarray) -> np.ndarray:
         """Every rank's int64 `values` (same length everywhere), one row per rank."""
@@ -348,6 +370,9 @@ class MPITransport:
         if self.board is not None:
             self.board.close()
             self.board = None
+        if self.host_control is not None:
+            self.host_control.close()
+            self.host_control = None
         for hier in {id(h): h for h in (self.hierarchical_allreduce, self.hierarchical_allgather)
                      if h is not None}.values():
             hier.close()

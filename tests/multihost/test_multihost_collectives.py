@@ -15,6 +15,8 @@ LAYOUTS = {"2x1": "hl-a:1,hl-b:1", "2x2": "hl-a:2,hl-b:2", "3x1": "hl-a:1,hl-b:1
 COLLECTIVES = os.path.join(ROOT, "tests", "parallel", "test_collectives.py")
 TOPOLOGY = os.path.join(ROOT, "tests", "multihost", "ranks", "topology.py")
 ADASUM = os.path.join(ROOT, "tests", "parallel", "test_adasum.py")
+# (small collectives across hosts: the control exchange through one rank per host)
+SMALL = os.path.join(ROOT, "tests", "parallel", "test_small_collectives.py")
 
 
 # 2x2 with the hierarchical path (transport/hierarchical.py) on (the default), forced off, and
@@ -28,6 +30,8 @@ CASES = [("2x1", {}), ("2x2", {}), ("2x2", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "
                          ",".join(f"{k}={v}" for k, v in c.items()) or "auto")
 def test_collectives_and_topology_across_hosts(bed, no_leftovers, layout, env):
     args = [TOPOLOGY]
+    if layout in ("2x2", "3x2", "1-2-1") and not env:
+        args.append(SMALL)
     if layout in ("2x1", "2x2") and not env:
         # Adasum's pairs within a host and across hosts (its file makes a process set)
         args.append(ADASUM)

@@ -538,8 +538,16 @@ def test_the_jobs_settings_took_effect():
                 "hierarchical" if hierarchical_applies() and
                 setting("HIERARCHICAL_ALLREDUCE", "1") not in ("0", "false") else "ring")
         assert used == {want}, paths
-        # With shared memory the control exchange went through the board, else over MPI.
+        # With shared memory the control exchange went through the board; across hosts,
+        # where some host holds two ranks, through each host's board and one rank per host
+        # (host_control.py); else over MPI between every rank.
         assert (board is not None and board.rounds > 0) if shared else board is None
+        control = rt.transport.host_control
+        across = (not shared and len(hosts) > 1 and max(hosts) > 1
+                  and setting("SHARED_MEMORY", "1") not in ("0", "false"))
+        assert (control is not None) == across
+        if across and control.board is not None:
+            assert control.board.rounds > 0
     threshold = int(setting("FUSION_THRESHOLD", str(128 << 20)))
     if threshold == 0:  # every tensor alone: 2 x (12 grouped + 12 single) allreduces
         assert fused == 0
