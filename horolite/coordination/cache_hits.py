@@ -21,19 +21,12 @@ class CacheHits:
     def __init__(self, cache, carrier, demote_after: float):
         self.cache, self.carrier, self.demote_after = cache, carrier, demote_after
         self.waiting: Dict[int, Entry] = {}  # cache slot -> entry, in submission order
-        self._carry: Dict[int, Entry] = {}  # the waiting slots the carrier may post
 
     def hold(self, slot: int, entry: Entry) -> bool:
         """Wait for `slot` to be ready everywhere; False if another entry already does."""
         if slot in self.waiting:
             return False
         self.waiting[slot] = entry
-        carrier = self.carrier
-        if carrier is not None:
-            if carrier.eligible(entry):
-                self._carry[slot] = entry
-            else:
-                self._carry.pop(slot, None)
         return True
 
     def expired(self, now: float) -> List[Tuple[int, Entry]]:
@@ -57,7 +50,7 @@ class CacheHits:
 
     def post(self) -> Sequence[int]:
         """Put the small waiting ones in the coming control round; the slots posted."""
-        return self.carrier.post(self.waiting, self._carry) if self.carrier is not None else ()
+        return self.carrier.post(self.waiting) if self.carrier is not None else ()
 
     def ready(self, ready: List[int], invalid: List[int], carried: List[int], timeline,
               now: float) -> Tuple[List[Response], List[Entry], int]:

@@ -40,6 +40,8 @@ class Entry:
     # With `owned`: the 1-D pieces whose concatenation is the input, when they were not
     # packed into `array` (which is then still empty): read where they lie.
     parts: Optional[list] = None
+    # Whether it may ride in the control round (execution/carried.py); None: not asked yet.
+    carry: Optional[bool] = None
 
 
 class TensorQueue:

@@ -24,6 +24,7 @@ from ..core import kernels
 from ..core.messages import Kind, Response
 from ..core.ops import ReduceOp
 from ..coordination.tensor_queue import Entry
+from ..transport.control_board import CARRY_MAX_TENSORS
 
 __all__ = ["Carrier", "CARRY_READ_BYTES"]
 
@@ -65,19 +66,20 @@ class Carrier:
             return False
         return entry.parts is not None or array.flags.c_contiguous
 
-    def post(self, waiting: Dict[int, Entry], carry: Dict[int, Entry]) -> List[int]:
-        """Post the entries of `carry` still waiting (others leave it); the slots posted."""
+    def post(self, waiting: Dict[int, Entry]) -> List[int]:
+        """Post the eligible ones of the `waiting` entries (slot -> entry); the slots
+        posted. Only while few wait: a step of many small tensors goes as one fused batch
+        instead, which costs less than a reduce call per tensor and is not split."""
+        if not waiting or len(waiting) > CARRY_MAX_TENSORS:
+            return self.board.post(())
         items = []
-        if carry:
-            stale = []
-            for slot, entry in carry.items():
-                if waiting.get(slot) is not entry:
-                    stale.append(slot)
-                else:
-                    items.append((slot, entry.parts if entry.parts is not None
-                                  else (entry.array,), entry.request.prescale))
-            for slot in stale:
-                del carry[slot]
+        for slot, entry in waiting.items():
+            carry = entry.carry
+            if carry is None:
+                carry = entry.carry = self.eligible(entry)
+            if carry:
+                items.append((slot, entry.parts if entry.parts is not None else (entry.array,),
+                              entry.request.prescale))
         return self.board.post(items)
 
     def run(self, responses: Sequence[Response], entries: Sequence[Entry], slots: Sequence[int],

@@ -192,9 +192,13 @@ class Runtime(JobEnd):
     # ---- caller side ----
     def submit(self, entry: Entry, ring: bool = True):
         """Queue `entry`. ring=False: its caller waits for it at once and runs the cycle
-        itself (turns.py), so the background thread is left asleep."""
-        helper = entry.handle.helper = self._helper
-        return self.queue.submit(entry, ring or helper is None)
+        itself (turns.py), so the background thread is left asleep. (Asynchronous work
+        wakes the background thread, which takes it while the caller goes on: a caller
+        that then waits leaves the cycles to it, rather than race it for rounds.)"""
+        if ring or self._helper is None:
+            return self.queue.submit(entry)
+        entry.handle.helper = self._helper
+        return self.queue.submit(entry, False)
 
     def _wanted(self, peers: bool = True) -> bool:
         """Whether a cycle is needed now: work here, shutdown, or (`peers`) a peer

@@ -108,7 +108,7 @@ def test_small_groups_and_mixed_sizes_in_one_step():
 def test_a_late_rank_waits_in_the_callers_turn():
     # The others sit in the board's round on their own threads until the last rank comes.
     before = RT.turns.caller_cycles_run
-    for late_ms in (0, 5, 50):
+    for late_ms in (0,) * 10 + (5, 50):
         hvd.barrier()
         if RANK == SIZE - 1:
             time.sleep(late_ms / 1e3)
