@@ -35,6 +35,8 @@ _TAG = 18
 _ACK_TAG = 19
 _RELEASE_TAG = 20
 NOTICE_BYTES = 4096
+# How often a cycle looks for a notice (waits look too, every 20 ms: collective_watch.py).
+LOOK_SECONDS = 0.001
 # How long a failing rank waits for the others to confirm its notice (a running peer
 # does within a few milliseconds; a frozen one never does).
 ACK_SECONDS = 3.0
@@ -73,6 +75,7 @@ class FailureChannel:
         self.size = comm.Get_size()
         self.hostnames = list(hostnames)
         self.heard: Optional[Notice] = None
+        self._next_look = 0.0  # see check
         self.sent: Optional[Notice] = None
         self._lock = threading.Lock()
         self._inbox = np.zeros(NOTICE_BYTES, dtype=np.uint8)
@@ -90,8 +93,14 @@ class FailureChannel:
         host = self.hostnames[rank] if 0 <= rank < len(self.hostnames) else "?"
         return f"rank {rank} (host {host})"
 
-    def check(self) -> Optional[Notice]:
-        """The first notice another rank sent, once it has arrived (background thread)."""
+    def check(self, now: Optional[float] = None) -> Optional[Notice]:
+        """The first notice another rank sent, once it has arrived (background thread).
+        `now` (a cycle's clock): MPI is asked at most every LOOK_SECONDS, since each look
+        is a turn of MPI's progress engine, microseconds on every cycle of a small call."""
+        if now is not None:
+            if now < self._next_look:
+                return self.heard
+            self._next_look = now + LOOK_SECONDS
         if self.heard is None and self.request is not None:
             with self._lock:
                 if self.request is not None and self.request.Test(self.status):

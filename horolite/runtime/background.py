@@ -274,7 +274,7 @@ class Runtime(JobEnd):
         now = time.monotonic()
         if self.links is not None:
             self.links.check()  # before anything makes MPI progress (failure/links.py)
-        notice = self.failures.check() or self.failures.sent
+        notice = self.failures.check(now) or self.failures.sent
         if notice is not None:
             raise PeerFailure(notice)
         if self.heartbeat is not None:
