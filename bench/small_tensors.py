@@ -175,20 +175,19 @@ def main(argv=None) -> None:
 
 # What the profile shows limits each target when it is missed (docs/benchmarks.md has the detail).
 LIMITS = {
-    "latency": "two thread hand-offs through the GIL (caller to background thread and back: "
-               "~25 us; a bare round trip between two Python threads takes ~15 us here), ~35 us "
-               "of Python in the cycle and the executor, the control allreduce and the "
-               "shared-memory exchange, each also waiting for the later rank "
+    "latency": "Python on the caller's thread, which runs the cycle itself (no hand-off): "
+               "~10 us to build and queue the request, ~25 us of cycle (failure check, cache "
+               "lookup, posting the bytes, the control vector, the round on the board), ~10 us "
+               "to reduce the carried bytes and complete the handle, against one C call "
                "(bench/probe_small_phases.py)",
     "grouped": "per-member work and the exchange: the caller packs 200 arrays (~0.11 ms), "
                "800 KiB through shared memory (~0.1 ms), the result split into 200 views "
-               "(~0.035 ms); one background cycle (~0.07 ms) and two hand-offs (~0.04 ms)",
-    "latecomer": "wake-ups and Python, not waiting: the later rank's hand-off to its background "
-                 "thread (a futex wake), its cycle's Python (~30 us), then the earlier ranks' "
-                 "wake from the control board's futex and their own cycle before the "
-                 "shared-memory exchange, and the result's hand-off to the caller; "
-                 "MPI_Allreduce's latecomer is one C call that spins. On 2 shared cores every "
-                 "wake-up also waits for a core",
+               "(~0.035 ms), and one cycle of Python",
+    "latecomer": "Python, not waiting: the last rank's cycle (~25-35 us on its caller's thread) "
+                 "before its entry completes the round, then each rank reduces the carried "
+                 "bytes and returns (~10 us); MPI_Allreduce's latecomer is one C call that "
+                 "spins. On 2 shared cores the earlier rank's wake from the round's futex also "
+                 "waits for a core",
     "async": "per-tensor Python on both threads: ~4 us to submit on the caller, ~5 us in the "
              "background thread (cache lookup, packing, views, completion), with 2 ranks x 2 "
              "threads sharing 2 cores",
