@@ -88,6 +88,9 @@ class Carrier:
         it; the bytes reduced."""
         reduced, complete = 0, self.executor.complete
         start = time.monotonic()
+        # (counted first: a caller woken by the last completion may read them at once)
+        self.carried += len(slots)
+        self.rounds += 1
         for resp, entry, slot in zip(responses, entries, slots):
             codes = resp.__dict__.get("_carried")  # the cached response recurs every step
             array = entry.array
@@ -99,8 +102,6 @@ class Carrier:
             self.board.reduce_carried(slot, out, *codes)
             complete(resp, entry, out)
             reduced += out.nbytes
-        self.carried += len(slots)
-        self.rounds += 1
         if timeline.enabled:
             end = time.monotonic()
             for resp in responses:
