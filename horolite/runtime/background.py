@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from mpi4py import MPI
 
