@@ -12,7 +12,9 @@ from mpirun import RANK_COUNTS, ROOT, run_pytest_file
 
 pytest.importorskip("tensorflow")
 
-FILES = sorted(glob.glob(os.path.join(ROOT, "tests", "tensorflow", "test_*.py")))
+BUCKETS = os.path.join(ROOT, "tests", "tensorflow", "test_tf_buckets.py")
+FILES = sorted(f for f in glob.glob(os.path.join(ROOT, "tests", "tensorflow", "test_*.py"))
+               if f != BUCKETS)
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
@@ -20,6 +22,25 @@ QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT + os.pathsep + os.envir
 @pytest.mark.parametrize("path", FILES, ids=[os.path.basename(f) for f in FILES])
 def test_tensorflow_rank_file(path, np_):
     run_pytest_file(path, np_, env=QUIET, timeout=300)
+
+
+# Gradient buckets (test_tf_buckets.py): (np, environment, whether buckets are expected).
+# Set explicitly at np 1-4; by default none on one host, and buckets where ranks span
+# (pretend) hosts. The simulated hosts run it too (tests/multihost).
+BUCKET_RUNS = {
+    **{f"cap_np{n}": (n, {"HOROLITE_GRADIENT_BUCKET_MB": "0.3"}, True) for n in RANK_COUNTS},
+    "one_host_default_np2": (2, {}, False),
+    "hosts_2+1_np3": (3, {"HOROLITE_TEST_HOST_IDENTITY": "2+1"}, True),
+    "hosts_2+2_np4": (4, {"HOROLITE_TEST_HOST_IDENTITY": "2+2"}, True),
+}
+
+
+@pytest.mark.parametrize("run", sorted(BUCKET_RUNS))
+def test_gradient_buckets(run):
+    np_, env, expect = BUCKET_RUNS[run]
+    args = [] if expect else ["-k", "not test_tape_in_a_function_overlaps"]
+    run_pytest_file(BUCKETS, np_, env=dict(QUIET, HOROLITE_TEST_EXPECT_BUCKETS=str(int(expect)),
+                                           **env), timeout=300, pytest_args=args)
 
 
 # What the Python wait ops must do as the native op does: every collective in graphs and

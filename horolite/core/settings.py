@@ -166,6 +166,14 @@ SETTINGS: Tuple[Setting, ...] = (
             "the GPU of each rank: unset `local_rank % visible devices`, `N` device N, `A,B,...` "
             "entry `local_rank % len(list)` (see GPUs)",
             "gpu_device"),
+    Setting("GRADIENT_BUCKET_MB", str, "auto",
+            "how `DistributedGradientTape` and the `DistributedOptimizer`s send a step's "
+            "gradients when neither `num_groups` nor `groups` is given: `auto` sends them in "
+            "buckets (1 MiB, then up to 2 MiB) in the order backprop makes them when the ranks "
+            "span hosts, so the exchange runs while backprop goes on, and as one request per "
+            "step on one host; `0` always one request per step; `N` buckets of up to N MiB "
+            "(see TensorFlow and Keras)",
+            "gradient_bucket_mb"),
     Setting("TF_NATIVE_OPS", bool, True,
             "`horolite.tensorflow`: in graphs, hand tensors to the runtime and wait for results "
             "in two small native TensorFlow ops, built on first use (no Python on TensorFlow's "

@@ -22,6 +22,8 @@ class Topology:
         self.cross_size = cross.Get_size()
         local_sizes = comm.allgather(self.local_size)
         self.is_homogeneous = len(set(local_sizes)) == 1
+        # each host's k ranks count 1/k each: the number of hosts, the same on every rank
+        self.hosts = round(sum(1.0 / n for n in local_sizes))
         self.hostname = host_name()
         local.Free()
         cross.Free()

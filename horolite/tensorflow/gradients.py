@@ -17,12 +17,14 @@ from typing import List, Optional, Sequence
 import tensorflow as tf
 
 import horolite as _core
+from horolite.api import buckets
 from horolite.core.ops import ReduceOp
 
 from .compression import Compression
 from .functions import variable_name, variable_ref
 from .bridge import _enqueue, graph_unique_name, grouped_allreduce_submit, run_alone, wait
 from .adasum import check_adasum
+from .bucket_order import BucketOrder
 from .mpi_ops import _check_op
 from .process_sets import check_process_set, global_process_set, reduces_here, set_size
 
@@ -115,7 +117,7 @@ class GradientReducer:
                     grads[i] = g / n
 
     # -- planning --
-    def _group_indices(self, dense: List[int], variables) -> List[List[int]]:
+    def _group_indices(self, dense: List[int], variables, grads) -> List[List[int]]:
         """Which dense gradients travel together (one enqueue op per group)."""
         if self.groups is not None:
             where = {ref: k for k, group in enumerate(self.groups) for ref in group}
@@ -130,8 +132,10 @@ class GradientReducer:
                 else:
                     by_group.setdefault(k, []).append(i)
             return [by_group[k] for k in sorted(by_group)] + singles
-        if self.num_groups is None:
-            return [list(dense)] if dense else []
+        if self.num_groups is None:  # buckets in backprop's order (api/buckets.py)
+            return [[dense[j] for j in bucket]
+                    for bucket in buckets.plan_for([_nbytes(grads[i]) for i in dense],
+                                                   self.process_set)]
         if self.num_groups:
             n = min(self.num_groups, len(dense)) or 1
             size, extra = divmod(len(dense), n)
@@ -168,7 +172,7 @@ class GradientReducer:
             raise NotImplementedError(f"{self.name}: gradients of {[labels[i] for i in sparse]} are tf.IndexedSlices, "
                              f"which support only Average and Sum, not {op.name}; "
                              "pass sparse_as_dense=True")
-        groups = self._group_indices(dense, variables)
+        groups = self._group_indices(dense, variables, grads)
         jobs = []  # (order key, enqueue thunk, finish(hid) -> None)
 
         def request(members):
@@ -206,7 +210,7 @@ class GradientReducer:
                     decompress(members, comp, wait(hid, [t.dtype for t in tensors],
                                                    [t.shape for t in tensors]))
                 return hid, finish
-            jobs.append((max(members), job))
+            jobs.append((max(members), job, [grads[i] for i in members]))
 
         for i in sparse:
             def job(i=i):
@@ -223,11 +227,22 @@ class GradientReducer:
                         values = values * tf.cast(scale, values.dtype)
                     out[i] = tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
                 return [hv, hi], finish
-            jobs.append((i, job))
+            jobs.append((i, job, [grads[i].values, grads[i].indices]))
 
-        # Enqueue in reverse list order (backprop's order), then wait for all.
+        # Enqueue in reverse list order (backprop's order), then wait for all. In a graph,
+        # the rest of backprop waits for each enqueue, so each bucket leaves as soon as
+        # its gradients exist (bucket_order.py).
         jobs.sort(key=lambda j: -j[0])
-        started = [job() for _, job in jobs]
+        order = BucketOrder(tf.compat.v1.get_default_graph()) if graph and len(jobs) > 1 else None
+        started = []
+        for _, job, tensors in jobs:
+            if order is not None:
+                order.order_after(tensors)
+            started.append(job())
+            if order is not None:
+                hid = started[-1][0]
+                for h in (hid if isinstance(hid, list) else [hid]):
+                    order.enqueued(h.op)
         if graph:
             hids = []
             for hid, _ in started:
@@ -239,6 +254,12 @@ class GradientReducer:
             for hid, finish in started:
                 finish(hid)
         return out
+
+
+def _nbytes(g) -> int:
+    """A gradient's bytes from its static shape (unknown: as large as a bucket may be)."""
+    n = g.shape.num_elements()
+    return (1 << 62) if n is None else n * g.dtype.size
 
 
 class LocalAggregator:

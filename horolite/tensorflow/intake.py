@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Callable, Dict, List
 
 import numpy as np
@@ -91,6 +92,8 @@ class Intake:
         native = self.native
         native.drain()  # results TensorFlow is done with, back to the output pool
         specs = self._specs
+        rt = registry.current()
+        timeline = rt.timeline if rt is not None and rt.timeline.enabled else None
         for item in items:
             try:
                 arrays = self._arrays(item)
@@ -99,7 +102,11 @@ class Intake:
                 continue
             spec = specs[item.spec]
             if spec.__class__ is not Member:
-                submit_to_wait_op(native, item.hid, spec, arrays)
+                handle = submit_to_wait_op(native, item.hid, spec, arrays)
+                if timeline is not None and handle is not None:
+                    # from the op running (its inputs had just been computed) to this take
+                    timeline.span(handle.name, "ENQUEUE", item.enqueued_ns * 1e-9,
+                                  time.monotonic())
                 continue
             ready, stale = spec.group.collect(spec.index, (item.hid, spec.submit, arrays))
             for hid, _, _ in stale:  # (their wait ops were cancelled with their step)
@@ -135,19 +142,20 @@ class Intake:
         return arrays
 
 
-def submit_to_wait_op(native: NativeOps, hid: int, submit: Callable, arrays) -> None:
+def submit_to_wait_op(native: NativeOps, hid: int, submit: Callable, arrays):
     """submit(*arrays); the handle's results, or the error (even one raised by submit),
     reach wait op hid. Errors other than the runtime's fail it with the status a Python
-    op raising them would have had."""
+    op raising them would have had. Returns the handle (None if submit raised)."""
     try:
         handle = submit(*arrays)
     except (HorovodInternalError, NotInitializedError) as e:
         native.fail(hid, e)
-        return
+        return None
     except Exception as e:  # noqa: BLE001 - on the background thread: never raised there
         native.fail(hid, e, _python_op_code(e))
-        return
+        return None
     handle.add_done_callback(lambda h: _deliver(native, hid, h))
+    return handle
 
 
 def _deliver(native: NativeOps, hid: int, handle) -> None:

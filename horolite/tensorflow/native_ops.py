@@ -65,7 +65,7 @@ def error_code(exc: BaseException) -> int:
 _CDEF = """
 typedef struct {
   int64_t hid; int64_t spec; int32_t n; const int32_t *dtypes; char *const *data;
-  const int64_t *nbytes; const int32_t *ndims; const int64_t *dims;
+  const int64_t *nbytes; const int32_t *ndims; const int64_t *dims; int64_t enqueued_ns;
 } horolit_item;
 void horolit_complete(int64_t hid, int code, const char *message, int n, const int *dtypes,
                       const char *const *data, const int64_t *nbytes,

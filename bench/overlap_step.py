@@ -1,0 +1,253 @@
+"""A TensorFlow step across hosts: does the exchange hide behind backprop?
+
+Run as root: the script builds two simulated hosts (tests/multihost/bed.py), caps
+each link at --rate with tc tbf, and runs itself with ``horolite-run -H
+hl-a:1,hl-b:1`` (``--local``: ``horolite-run -np 2`` on this machine instead, no bed).
+Each rank runs one TensorFlow thread (intra and inter op). For each model it
+measures, in alternating blocks of one job (medians of the slowest rank's step):
+
+- plain: the step without any exchange (both ranks computing at once);
+- exchange: one grouped allreduce of tensors shaped like the step's gradients;
+- tape: ``DistributedGradientTape`` in a ``tf.function``, the default bucketing;
+- tape_one_group: the same with every gradient in one request (``num_groups=1``);
+- fit / fit_plain: Keras ``fit`` with and without ``hvd.DistributedOptimizer``.
+
+and prints each step over max(plain, exchange): 1.0 is perfect overlap, about
+1 + min/max when nothing overlaps.
+
+    python bench/overlap_step.py                      # as root; the issue's four models
+    python bench/overlap_step.py --local --models 100x500:256
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# layers x width : batch (a Dense(width) input, then `layers` Dense(width, relu), Dense(10))
+MODELS = ["40x256:512", "40x256:2048", "40x256:128", "12x1024:256"]
+
+
+def _parse_model(spec: str):
+    shape, batch = spec.split(":")
+    layers, width = shape.split("x")
+    return int(layers), int(width), int(batch)
+
+
+# ---- rank side ----
+
+def worker(args) -> None:
+    import numpy as np
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+    from mpi4py import MPI
+
+    sys.path.insert(0, HERE)
+    import horolite.tensorflow as hvd
+    import horolite.tensorflow.keras as hvd_keras
+    from common import interleaved_median_times
+
+    hvd.init()
+    comm = MPI.COMM_WORLD
+    rows = []
+    for spec in args.models:
+        layers, width, batch = _parse_model(spec)
+
+        def build():
+            keras.utils.set_random_seed(1)
+            return keras.Sequential([keras.Input((width,))] +
+                                    [keras.layers.Dense(width, activation="relu")
+                                     for _ in range(layers)] + [keras.layers.Dense(10)])
+
+        rng = np.random.default_rng(hvd.rank())
+        x = tf.constant(rng.standard_normal((batch, width)).astype(np.float32))
+        y = tf.constant(rng.integers(0, 10, batch))
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model = build()
+        opt = keras.optimizers.SGD(1e-4)
+
+        def step_fn(wrap):
+            @tf.function
+            def step():
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, model(x, training=True))
+                if wrap is not None:
+                    tape = wrap(tape)
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            return step
+
+        grads_like = [tf.zeros_like(v) for v in model.trainable_variables]
+
+        @tf.function
+        def exchange():
+            return hvd.grouped_allreduce(grads_like, name="overlap_bench.exchange")[0]
+
+        fns = {"plain": step_fn(None),
+               "exchange": exchange,
+               "tape": step_fn(lambda t: hvd.DistributedGradientTape(t)),
+               "tape_one_group": step_fn(lambda t: hvd.DistributedGradientTape(t, num_groups=1))}
+        times = interleaved_median_times({k: (lambda f=f: f().numpy()) for k, f in fns.items()},
+                                         args.iters, blocks=args.blocks, warmup=args.warmup,
+                                         comm=comm)
+        times.update(_fit_times(keras, hvd_keras, build, x, y, args, comm, np))
+        nbytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+        rows.append({"model": spec, "gradients": len(model.trainable_variables),
+                     "bytes": nbytes, **{f"{k}_s": v for k, v in times.items()}})
+    if comm.Get_rank() == 0:
+        print("RESULT " + json.dumps({"ranks": comm.Get_size(), "rows": rows}), flush=True)
+    hvd.shutdown()
+
+
+def _fit_times(keras, hvd_keras, build, x, y, args, comm, np) -> dict:
+    """Median of the slowest rank's fit step (time between batch ends), plain and wrapped,
+    in alternating blocks."""
+    class Timer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.ends = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+    models = {}
+    for name, wrap in (("fit_plain", None), ("fit", hvd_keras.DistributedOptimizer)):
+        model = build()
+        opt = keras.optimizers.SGD(1e-4)
+        model.compile(optimizer=opt if wrap is None else wrap(opt),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        models[name] = model
+    import tensorflow as tf
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    per = max(2, -(-args.iters // args.blocks))
+    times = {name: [] for name in models}
+    for _ in range(args.blocks):
+        for name, model in models.items():
+            timer = Timer()
+            comm.Barrier()
+            model.fit(data, epochs=1, steps_per_epoch=per + args.warmup + 1, verbose=0,
+                      callbacks=[timer])
+            steps = np.diff(np.array(timer.ends[args.warmup:]))
+            slowest = np.empty_like(steps)
+            comm.Allreduce(steps, slowest, op=_mpi_max())
+            times[name].append(slowest)
+    return {name: float(np.median(np.concatenate(t))) for name, t in times.items()}
+
+
+def _mpi_max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+# ---- driver ----
+
+def report(doc: dict, args) -> str:
+    sys.path.insert(0, HERE)
+    from common import Target
+    lines = ["| model | gradients | MiB | plain ms | exchange ms | tape ms | one group ms | "
+             "fit plain ms | fit ms | tape / max | one group / max | fit / max(fit plain, exchange) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    targets = []
+    for row in doc["rows"]:
+        ms = {k[:-2]: 1e3 * v for k, v in row.items() if k.endswith("_s")}
+        top = max(ms["plain"], ms["exchange"])
+        fit_top = max(ms["fit_plain"], ms["exchange"])
+        row["tape_over_max"] = ms["tape"] / top
+        row["one_group_over_max"] = ms["tape_one_group"] / top
+        row["fit_over_max"] = ms["fit"] / fit_top
+        lines.append(f"| {row['model']} | {row['gradients']} | {row['bytes'] / 2**20:.1f} | "
+                     f"{ms['plain']:.0f} | {ms['exchange']:.0f} | {ms['tape']:.0f} | "
+                     f"{ms['tape_one_group']:.0f} | {ms['fit_plain']:.0f} | {ms['fit']:.0f} | "
+                     f"{row['tape_over_max']:.2f} | {row['one_group_over_max']:.2f} | "
+                     f"{row['fit_over_max']:.2f} |")
+        if not args.local:
+            limit = ("the exchange can start only when backprop has made the first bucket: "
+                     "the forward pass and the last bucket's exchange stay in the step")
+            targets.append(Target(f"{row['model']}: tape / max(plain, exchange)",
+                                  row["tape_over_max"], 1.15, "x", False, limit))
+            targets.append(Target(f"{row['model']}: fit / max(fit plain, exchange)",
+                                  row["fit_over_max"], 1.15, "x", False, limit))
+    lines.append("")
+    if targets:
+        lines += ["| target | value | bound | met | what limits it |", "|---|---|---|---|---|"]
+        for t in targets:
+            met = {True: "met", False: "**missed**", None: "not measured"}[t.met]
+            lines.append(f"| {t.name} | {t.value:.2f} | <= {t.bound:g} | {met} | "
+                         f"{t.limited_by} |")
+        doc["targets"] = [t.as_dict() for t in targets]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--models", type=lambda s: s.split(","), default=MODELS)
+    p.add_argument("--local", action="store_true",
+                   help="2 ranks on this machine (horolite-run -np 2), no simulated hosts")
+    p.add_argument("--rate", default="1gbit", help="tc tbf rate of every link")
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--blocks", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default=None)
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the ranks (repeatable)")
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    run = os.path.join(os.path.dirname(sys.executable), "horolite-run")
+    work = [sys.executable, os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
+            "--iters", str(args.iters), "--blocks", str(args.blocks), "--warmup", str(args.warmup)]
+    env = dict(os.environ, **dict(e.split("=", 1) for e in args.env))
+    started = time.time()
+    if args.local:
+        import subprocess
+        proc = subprocess.run([run, "-np", "2"] + work, capture_output=True, text=True,
+                              timeout=3600, env=env)
+    else:
+        sys.path.insert(0, os.path.join(ROOT, "tests", "multihost"))
+        from bed import Bed, unavailable_reason
+        reason = unavailable_reason()
+        if reason:
+            print(f"overlap_step: cannot build simulated hosts: {reason}", file=sys.stderr)
+            return 2
+        with Bed(2) as bed:
+            bed.shape(args.rate)
+            proc = bed.run([run, "-H", "hl-a:1,hl-b:1"] + work, timeout=3600,
+                           env=dict(e.split("=", 1) for e in args.env) or None)
+    result = None
+    for line in proc.stdout.splitlines():
+        if "RESULT " in line:
+            result = json.loads(line.split("RESULT ", 1)[1])
+    if result is None:
+        print(f"run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}",
+              file=sys.stderr)
+        return 1
+    doc = {"benchmark": "overlap_step", "where": "np 2, one host" if args.local else
+           f"2 simulated hosts x 1 rank, links at {args.rate}",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "load_average": os.getloadavg(), "wall_seconds": round(time.time() - started, 1),
+           "settings": args.env, **result}
+    md = report(doc, args)
+    out = args.out or os.path.join(HERE, "results",
+                                   "overlap_step_local.json" if args.local else "overlap_step.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(md)
+    print(f"{doc['where']}; load average {os.getloadavg()[0]:.1f}\n\n{md}\nwrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""A step's gradients in buckets that leave while backprop still runs.
+
+Backprop makes the last layers' gradients first. Sent as one request after the
+last gradient, a step costs its compute plus its exchange; sent in buckets in
+the order backprop makes them, each bucket's exchange runs while the earlier
+layers' gradients are still being computed, and the step costs about the
+larger of the two (PyTorch DDP's reducer does the same from autograd hooks).
+
+Across hosts the exchange waits on the network while the cores compute, so
+buckets pay. On one host the exchange is shared memory on the same cores as
+the compute: splitting a step only adds cycles, and one request per step is
+faster (measured, docs/tensorflow.md). `plan_for` picks from that topology
+unless HOROLITE_GRADIENT_BUCKET_MB says otherwise.
+
+Buckets are cut from the gradients' sizes, in reverse order of the parameters
+(backprop's order): a small first bucket so the exchange starts early, then
+buckets of up to the cap. The same sizes give the same plan on every rank.
+
+`GradientBuckets` is the NumPy/CuPy side: mark each array ready as it is made,
+and its bucket is submitted as soon as its last member is ready.
+"""
+from __future__ import annotations
+
+import threading
+from typing import List, Optional, Sequence
+
+from ..core.handle import Handle
+from ..core.ops import ReduceOp
+from .collectives import grouped_allreduce_async
+from .process_sets import global_process_set, runtime_for
+
+__all__ = ["plan", "plan_for", "bucket_cap_bytes", "GradientBuckets", "FIRST_BUCKET_BYTES",
+           "ACROSS_HOSTS_CAP_BYTES"]
+
+MiB = 1 << 20
+# The first bucket (the last layers') is small so the exchange starts early.
+FIRST_BUCKET_BYTES = 1 * MiB
+# Across hosts: the last bucket (the first layers') is exchanged after backprop ends, so
+# smaller buckets shorten that tail; each costs one background cycle (measured on the
+# simulated hosts at 1 Gbit/s, docs/tensorflow.md).
+ACROSS_HOSTS_CAP_BYTES = 2 * MiB
+
+
+def plan(sizes: Sequence[int], cap: int, first: int = FIRST_BUCKET_BYTES) -> List[List[int]]:
+    """Indices of `sizes` (in the parameters' order) grouped into buckets, in the order
+    backprop makes them: from the last index back, the first bucket up to `first` bytes,
+    then up to `cap` (a tensor larger than the cap is a bucket of its own). Within a
+    bucket the indices are ascending. cap <= 0: everything in one bucket."""
+    n = len(sizes)
+    if cap <= 0 or n <= 1:
+        return [list(range(n))] if n else []
+    buckets, current, filled, limit = [], [], 0, min(first, cap)
+    for i in range(n - 1, -1, -1):
+        if current and filled + sizes[i] > limit:
+            buckets.append(sorted(current))
+            current, filled, limit = [], 0, cap
+        current.append(i)
+        filled += sizes[i]
+    buckets.append(sorted(current))
+    return buckets
+
+
+def bucket_cap_bytes(process_set=global_process_set) -> int:
+    """The bucket cap in bytes for a step reduced over `process_set`: 0 means one request
+    per step (HOROLITE_GRADIENT_BUCKET_MB, `auto` by default: buckets when the set's
+    ranks span hosts)."""
+    rt = runtime_for(process_set, "gradient buckets")
+    raw = str(rt.config.gradient_bucket_mb or "auto").strip().lower()
+    if raw != "auto":
+        try:
+            mb = float(raw)
+        except ValueError:
+            raise ValueError(f"HOROLITE_GRADIENT_BUCKET_MB={raw!r}: expected `auto`, `0` "
+                             "(one request per step) or a size in MiB") from None
+        if mb < 0:
+            raise ValueError(f"HOROLITE_GRADIENT_BUCKET_MB={raw!r} must be >= 0")
+        return int(mb * MiB)
+    return ACROSS_HOSTS_CAP_BYTES if rt.topology.hosts > 1 else 0
+
+
+def plan_for(sizes: Sequence[int], process_set=global_process_set) -> List[List[int]]:
+    """plan() with the cap this job uses (bucket_cap_bytes)."""
+    return plan(sizes, bucket_cap_bytes(process_set))
+
+
+class GradientBuckets:
+    """Arrays made one at a time (a backward pass) reduced in buckets as they fill.
+
+    >>> buckets = GradientBuckets([g.nbytes for g in shapes_like], "step")
+    >>> for i in reversed(range(n)): buckets.ready(i, compute_gradient(i))
+    >>> averaged = buckets.results()
+
+    Every rank must declare the same sizes. A bucket is submitted (one grouped
+    allreduce, named `<name>.bucket<k>`, so later steps hit the response cache)
+    when its last member is marked ready; `results()` waits for all and starts the
+    next step. NumPy and CuPy arrays (GPU memory travels over NCCL) both work.
+    """
+
+    def __init__(self, sizes: Sequence[int], name: str, op=ReduceOp.AVERAGE,
+                 prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                 process_set=global_process_set, cap_bytes: Optional[int] = None):
+        if not name:
+            raise ValueError("GradientBuckets needs a name (the same on every rank)")
+        self.name = name
+        self._args = (op, float(prescale_factor), float(postscale_factor), process_set)
+        cap = bucket_cap_bytes(process_set) if cap_bytes is None else int(cap_bytes)
+        self.buckets = plan([int(s) for s in sizes], cap)
+        self._bucket_of = {i: k for k, members in enumerate(self.buckets) for i in members}
+        self._lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
+        self._arrays: List = [None] * len(self._bucket_of)
+        self._missing = [len(b) for b in self.buckets]
+        self._handles: List[Optional[Handle]] = [None] * len(self.buckets)
+
+    def ready(self, index: int, array) -> Optional[Handle]:
+        """Array `index` of this step is made; returns its bucket's handle if this
+        completed the bucket (it is then on its way), else None."""
+        k = self._bucket_of.get(index)
+        if k is None:
+            raise IndexError(f"{self.name}: no array {index} (declared {len(self._arrays)})")
+        with self._lock:
+            if self._arrays[index] is not None:
+                raise ValueError(f"{self.name}: array {index} was already marked ready this step")
+            self._arrays[index] = array
+            self._missing[k] -= 1
+            if self._missing[k]:
+                return None
+        op, pre, post, ps = self._args
+        handle = grouped_allreduce_async([self._arrays[i] for i in self.buckets[k]], op,
+                                         f"{self.name}.bucket{k}", pre, post, process_set=ps)
+        self._handles[k] = handle
+        return handle
+
+    def results(self) -> List:
+        """Every array reduced, in index order; the next step starts afterwards."""
+        missing = [i for i, a in enumerate(self._arrays) if a is None]
+        if missing:
+            raise ValueError(f"{self.name}: arrays {missing[:8]} were never marked ready")
+        out: List = [None] * len(self._arrays)
+        try:
+            for members, handle in zip(self.buckets, self._handles):
+                for i, r in zip(members, handle.result()):
+                    out[i] = r
+        finally:
+            self._start()
+        return out

@@ -1,0 +1,317 @@
+"""Rank side: a step's gradients leave in buckets while backprop runs.
+
+The driver (tests/test_matrix_tensorflow.py, and the simulated hosts) says whether
+buckets are expected in this run (HOROLITE_TEST_EXPECT_BUCKETS: HOROLITE_GRADIENT_BUCKET_MB
+set, or ranks on several hosts) or one request per step (one host, the default).
+Values are checked against NumPy references from each rank's known inputs (local
+gradients exchanged with mpi4py, never with horolite), what travelled against the
+runtime's own timeline: how many requests each step made, and when each bucket was
+handed over (its enqueue op ran) and exchanged.
+"""
+import os
+import tempfile
+import uuid
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from mpi4py import MPI
+
+import horolite.tensorflow as hvd
+import horolite.tensorflow.keras as hvd_keras
+from horolite.api import buckets as bucket_plan
+from horolite.core.timeline import read_events
+from tf_modes import NATIVE
+
+# One thread each, as a rank on a busy host runs (and the case where TensorFlow's executor,
+# left alone, ran every bucket's enqueue at the end of backprop).
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+_n = MPI.COMM_WORLD.Get_size()
+PAIR = hvd.ProcessSet([0, 1]) if _n > 2 else None  # a set smaller than the job
+hvd.init(process_sets=[PAIR] if PAIR is not None else None)
+COMM = MPI.COMM_WORLD
+R, N = hvd.rank(), hvd.size()
+EXPECT = os.environ.get("HOROLITE_TEST_EXPECT_BUCKETS", "0") == "1"
+CAP = bucket_plan.bucket_cap_bytes()
+FLOATS = [tf.float16, tf.bfloat16, tf.float32, tf.float64]
+SHAPES = [(96, 256), (256,), (256, 256), (256,), (256, 64), (64,), (64, 10), (10,)]
+_TMP = tempfile.mkdtemp(prefix=f"hl-buckets-r{R}-")
+
+
+def test_the_run_has_the_bucketing_the_driver_expects():
+    assert (CAP > 0) == EXPECT, f"bucket cap {CAP} bytes, driver expects buckets: {EXPECT}"
+
+
+def inputs(r, dtype, seed=0):
+    """Rank r's X_k: the gradient of sum_k sum(V_k * X_k) with respect to V_k."""
+    rng = np.random.RandomState(100 * seed + r)
+    return [rng.uniform(-1, 1, size=s).astype(np.float64) for s in SHAPES]
+
+
+def mean_over(ranks, dtype, seed=0):
+    """NumPy: the average of every rank's X_k, each first rounded to the dtype as TF holds it."""
+    np_dtype = dtype.as_numpy_dtype
+    per_rank = [[x.astype(np_dtype).astype(np.float64) for x in inputs(r, dtype, seed)]
+                for r in ranks]
+    return [np.mean([p[k] for p in per_rank], axis=0) for k in range(len(SHAPES))]
+
+
+def recorded(fn):
+    """(fn's result, the timeline events the runtime wrote while fn ran)."""
+    path = os.path.join(_TMP, f"{uuid.uuid4().hex}.json")
+    hvd.start_timeline(path)
+    try:
+        out = fn()
+    finally:
+        hvd.stop_timeline()
+    actual = path if R == 0 else path[:-5] + f".rank{R}.json"
+    return out, read_events(actual)
+
+
+def requests(events, marker):
+    """Names of the requests (rows) the runtime negotiated or reduced (a small one may ride
+    in the control round: no NEGOTIATE span, an ALLREDUCE one), for `marker`."""
+    rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    return {rows[e["tid"]] for e in events
+            if e.get("name") in ("NEGOTIATE", "ALLREDUCE") and marker in rows[e["tid"]]}
+
+
+def expected_requests(dtype, sizes=None, cap=CAP):
+    sizes = sizes or [int(np.prod(s)) * dtype.size for s in SHAPES]
+    return len(bucket_plan.plan(sizes, cap)) if cap else 1
+
+
+def tolerance(dtype):
+    return {tf.float16: 2e-3, tf.bfloat16: 2e-2}.get(dtype, 1e-6)
+
+
+# ---- the tape, every float dtype ----
+
+def tape_gradients(dtype, seed=0, **kwargs):
+    variables = [tf.Variable(tf.zeros(s, dtype)) for s in SHAPES]
+    xs = [tf.constant(x, dtype) for x in inputs(R, dtype, seed)]
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(tf.cast(v * x, tf.float32)) for v, x in zip(variables, xs)])
+        tape = hvd.DistributedGradientTape(tape, **kwargs)
+        return tape.gradient(loss, variables)
+    step()  # trace and warm the cache
+    return step
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+def test_tape_buckets_average_like_numpy_and_like_one_group(dtype):
+    step = tape_gradients(dtype)
+    got, events = recorded(lambda: [g.numpy().astype(np.float64) for g in step()])
+    for g, want in zip(got, mean_over(range(N), dtype)):
+        np.testing.assert_allclose(g, want, rtol=tolerance(dtype), atol=tolerance(dtype))
+    assert len(requests(events, "DistributedGradientTape")) == expected_requests(dtype)
+    one = [g.numpy() for g in tape_gradients(dtype, num_groups=1)()]
+    for g, o in zip(got, one):
+        if N <= 2:  # the same sum of the same two values: the same bits
+            np.testing.assert_array_equal(g, o.astype(np.float64))
+        else:
+            np.testing.assert_allclose(g, o.astype(np.float64), rtol=tolerance(dtype),
+                                       atol=tolerance(dtype))
+
+
+def test_explicit_num_groups_keeps_horovods_meaning():
+    step = tape_gradients(tf.float32, num_groups=3)
+    got, events = recorded(lambda: [g.numpy() for g in step()])
+    assert len(requests(events, "DistributedGradientTape")) == 3
+    for g, want in zip(got, mean_over(range(N), tf.float32)):
+        np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
+
+
+def test_buckets_go_only_on_the_step_that_exchanges():
+    variables = [tf.Variable(tf.zeros(s, tf.float32)) for s in SHAPES]
+    batches = [[tf.constant(x, tf.float32) for x in inputs(R, tf.float32, seed)] for seed in (1, 2)]
+    tape_kwargs = dict(backward_passes_per_step=2)
+
+    @tf.function
+    def step(xs):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * x) for v, x in zip(variables, xs)])
+        return hvd.DistributedGradientTape(tape, **tape_kwargs).gradient(loss, variables)
+
+    first, ev1 = recorded(lambda: [g.numpy() for g in step(batches[0])])
+    second, ev2 = recorded(lambda: [g.numpy() for g in step(batches[1])])
+    assert requests(ev1, "DistributedGradientTape") == set()
+    assert len(requests(ev2, "DistributedGradientTape")) == expected_requests(tf.float32)
+    want = [a + b for a, b in zip(mean_over(range(N), tf.float32, 1), mean_over(range(N), tf.float32, 2))]
+    for g, w in zip(second, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    assert all(not np.any(g) for g in first)
+
+
+def test_sparse_gradients_travel_beside_the_buckets():
+    table = tf.Variable(tf.zeros((20, 8)))
+    dense = [tf.Variable(tf.zeros(s)) for s in SHAPES]
+    ids = tf.constant([R % 20, (3 * R + 1) % 20, 7])
+    xs = [tf.constant(x, tf.float32) for x in inputs(R, tf.float32)]
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table, ids)) + \
+                tf.add_n([tf.reduce_sum(v * x) for v, x in zip(dense, xs)])
+        return hvd.DistributedGradientTape(tape).gradient(loss, [table] + dense)
+
+    got = step()
+    assert isinstance(got[0], tf.IndexedSlices)
+    rows = np.zeros((20, 8))
+    for r in range(N):
+        for i in (r % 20, (3 * r + 1) % 20, 7):
+            rows[i] += 1.0 / N
+    np.testing.assert_allclose(tf.convert_to_tensor(got[0]).numpy(), rows, rtol=1e-6)
+    for g, want in zip(got[1:], mean_over(range(N), tf.float32)):
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_process_set_reduces_its_own_ranks_in_buckets():
+    if PAIR is None:
+        pytest.skip("a subset of two ranks needs a third outside it")
+    step = tape_gradients(tf.float32, process_set=PAIR)
+    got, events = recorded(lambda: [g.numpy() for g in step()])
+    if R in (0, 1):
+        want = mean_over([0, 1], tf.float32)
+        assert len(requests(events, "DistributedGradientTape")) == expected_requests(
+            tf.float32, cap=bucket_plan.bucket_cap_bytes(PAIR))
+    else:  # outside the set the gradients stay this rank's own
+        want = [x.astype(np.float32) for x in inputs(R, tf.float32)]
+        assert requests(events, "DistributedGradientTape") == set()
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+# ---- a real model: fit, the legacy optimizer in a TF1 graph, and the overlap ----
+
+LAYERS, WIDTH, BATCH = 12, 256, 512
+
+
+def mlp(seed=3):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((WIDTH,))] +
+                            [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(LAYERS)] +
+                            [keras.layers.Dense(4)])
+
+
+def data(r):
+    rng = np.random.RandomState(7 + r)
+    return rng.normal(size=(BATCH, WIDTH)).astype(np.float32), rng.normal(size=(BATCH, 4)).astype(np.float32)
+
+
+def reference_update(model, lr):
+    """NumPy: the weights after one SGD step on every rank's batch averaged: each rank's
+    local gradients (plain TensorFlow, no horolite) gathered with mpi4py."""
+    x, y = data(R)
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+    local = [g.numpy().astype(np.float64) for g in tape.gradient(loss, model.trainable_variables)]
+    every = COMM.allgather(local)
+    return [v.numpy() - lr * np.mean([e[k] for e in every], axis=0)
+            for k, v in enumerate(model.trainable_variables)]
+
+
+def overlapped(events, marker) -> int:
+    """In how many steps, on all ranks, the first bucket's exchange had ended before the last bucket's
+    enqueue op ran, from the runtime's timeline (ENQUEUE starts when the op ran, right
+    after its gradients were computed; one span per bucket and step)."""
+    rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+
+    def times(phase, row, end=False):
+        return sorted(e["ts"] + (e["dur"] if end else 0) for e in events
+                      if e.get("name") == phase and rows[e["tid"]] == row)
+    handed = {}
+    for e in events:
+        if e.get("name") == "ENQUEUE" and marker in rows[e["tid"]]:
+            handed.setdefault(rows[e["tid"]], []).append(e["ts"])
+    assert len(handed) >= 2, f"{len(handed)} buckets handed over"
+    order = sorted(handed, key=lambda row: min(handed[row]))
+    first_done, last_handed = times("ALLREDUCE", order[0], True), times("ENQUEUE", order[-1])
+    # Summed over the ranks: a rank ahead of the others waits for their first bucket, the
+    # rank that sets the pace exchanges it at once.
+    return COMM.allreduce(sum(done < last for done, last in zip(first_done, last_handed)))
+
+
+def _overlap_needs():
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+    if not NATIVE:
+        pytest.skip("HOROLITE_TF_NATIVE_OPS=0 in this run")
+
+
+def test_fit_applies_the_averaged_gradients_and_overlaps():
+    _overlap_needs()
+    model = mlp()
+    want = reference_update(mlp(), 0.05)
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.05)),
+                  loss=keras.losses.MeanSquaredError())
+    x, y = data(R)
+    _, events = recorded(lambda: model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0))
+    for v, w in zip(model.trainable_variables, want):
+        np.testing.assert_allclose(v.numpy(), w, rtol=2e-4, atol=2e-5)
+    assert len(requests(events, "DistributedSGD")) == expected_requests(
+        tf.float32, [int(np.prod(v.shape)) * 4 for v in model.trainable_variables])
+    if EXPECT:  # later steps: the buckets are cached, the overlap shows
+        # Steps after the first start together (the previous one's exchange ends them).
+        ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+        _, events = recorded(lambda: model.fit(ds, steps_per_epoch=5, shuffle=False, verbose=0))
+        assert overlapped(events, "DistributedSGD") >= 1, \
+            "no step's first bucket was exchanged before its last was computed"
+
+
+def test_tape_in_a_function_overlaps():
+    _overlap_needs()
+    assert EXPECT, "the driver runs this case only where buckets are expected"
+    model, opt = mlp(), keras.optimizers.SGD(0.01)
+    x, y = (tf.constant(a) for a in data(R))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        return loss
+    step()
+    _, events = recorded(lambda: [step().numpy() for _ in range(5)])
+    assert overlapped(events, "DistributedGradientTape") >= 1, \
+        "no step's first bucket was exchanged before its last was computed"
+
+
+def test_legacy_optimizer_in_a_tf1_graph_updates_like_numpy_and_overlaps():
+    _overlap_needs()
+    model = mlp()
+    want = reference_update(mlp(), 0.05)
+    weights = [v.numpy() for v in model.trainable_variables]
+    x, y = data(R)
+    with tf.Graph().as_default():
+        variables = [tf.compat.v1.Variable(w) for w in weights]
+        h = tf.constant(x)
+        for k in range(0, len(variables) - 2, 2):
+            h = tf.tanh(h @ variables[k] + variables[k + 1])
+        out = h @ variables[-2] + variables[-1]
+        loss = tf.reduce_mean(tf.square(out - y))
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.05))
+        train = opt.minimize(loss, var_list=variables)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            _, events = recorded(lambda: sess.run(train))
+            got = sess.run(variables)
+            if EXPECT:
+                hits = overlapped(recorded(lambda: [sess.run(train) for _ in range(5)])[1],
+                                  "DistributedGradientDescent")
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+    assert len(requests(events, "DistributedGradientDescent")) == expected_requests(
+        tf.float32, [w.nbytes for w in weights])
+    if EXPECT:
+        assert hits >= 1, "no step's first bucket was exchanged before its last was computed"
