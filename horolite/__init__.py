@@ -19,6 +19,7 @@ from .api.collectives import (allgather, allgather_async, allreduce, allreduce_a
 from .errors import (AdasumUnsupportedError, DuplicateNameError, HorovodInternalError,
                      InvalidCollectiveError, NotInitializedError, ShutdownError, StallError, TensorMismatchError)
 from .core.handle import Handle
+from .api.buckets import GradientBuckets
 from .api.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
@@ -34,6 +35,7 @@ __all__ = [
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "join_async", "poll", "synchronize", "Handle",
+    "GradientBuckets",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError", "DuplicateNameError",

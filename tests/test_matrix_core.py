@@ -174,3 +174,8 @@ def test_pretend_hosts_process_sets(layout):
 def test_small_collectives(np_, variant):
     # (mpi-ring: no shared memory, so no board: neither carried nor on the caller's turn)
     run_pytest_file(os.path.join(PARALLEL, "test_small_collectives.py"), np_, VARIANTS[variant])
+
+
+@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "mpi-ring")])
+def test_gradient_buckets(np_, variant):
+    run_pytest_file(os.path.join(PARALLEL, "test_buckets.py"), np_, VARIANTS[variant])

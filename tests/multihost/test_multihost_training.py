@@ -21,3 +21,13 @@ def test_training_across_hosts_equals_one_process(bed, no_leftovers):
     run_pytest_across(bed, "hl-a:1,hl-b:2", TRAINING, timeout=400, pytest_args=[
         "-k", "tape_data_parallel_equivalence or legacy_optimizer_graph_equivalence "
               "or keras_fit_equivalence"])
+
+
+BUCKETS = os.path.join(ROOT, "tests", "tensorflow", "test_tf_buckets.py")
+
+
+@pytest.mark.parametrize("hosts", ["hl-a:1,hl-b:1", "hl-a:2,hl-b:2"])
+def test_gradient_buckets_across_hosts(bed, no_leftovers, hosts):
+    # Ranks on two hosts: buckets by default, each against NumPy, the overlap from the timeline.
+    run_pytest_across(bed, hosts, BUCKETS, timeout=400,
+                      env={"HOROLITE_TEST_EXPECT_BUCKETS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"})
