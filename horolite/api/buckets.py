@@ -18,6 +18,12 @@ buckets of up to the cap. The same sizes give the same plan on every rank.
 
 `GradientBuckets` is the NumPy/CuPy side: mark each array ready as it is made,
 and its bucket is submitted as soon as its last member is ready.
+
+A step that fails on one rank after some of its buckets left (an op of backprop
+raised there) would leave the other ranks waiting for the rest. `BucketRuns`
+notices it when that rank's next step sends its first bucket, and tells every
+rank that the missing buckets of the failed step will never come: their requests
+fail with an error naming the rank, and the next step works.
 """
 from __future__ import annotations
 
@@ -26,11 +32,11 @@ from typing import List, Optional, Sequence
 
 from ..core.handle import Handle
 from ..core.ops import ReduceOp
-from .collectives import grouped_allreduce_async
+from .collectives import abandon_async, grouped_allreduce_async
 from .process_sets import global_process_set, runtime_for
 
-__all__ = ["plan", "plan_for", "bucket_cap_bytes", "GradientBuckets", "FIRST_BUCKET_BYTES",
-           "ACROSS_HOSTS_CAP_BYTES"]
+__all__ = ["plan", "plan_for", "bucket_cap_bytes", "GradientBuckets", "BucketRuns",
+           "FIRST_BUCKET_BYTES", "ACROSS_HOSTS_CAP_BYTES"]
 
 MiB = 1 << 20
 # The first bucket (the last layers') is small so the exchange starts early.
@@ -83,6 +89,46 @@ def plan_for(sizes: Sequence[int], process_set=global_process_set) -> List[List[
     return plan(sizes, bucket_cap_bytes(process_set))
 
 
+class BucketRuns:
+    """The requests of one step, run after run. A run that stopped part way (the step
+    failed on this rank) is found when a request it already sent comes again (the next
+    run began): its missing requests are abandoned on every rank (abandon_async)."""
+
+    def __init__(self, names: Sequence[str], process_set=global_process_set):
+        self.names = list(names)
+        self.process_set = process_set
+        self._sent: set = set()  # requests of the current run
+        self._lock = threading.Lock()
+        self.abandoned_runs = 0
+
+    def sending(self, k: int) -> None:
+        """Request k is about to be submitted."""
+        with self._lock:
+            missing = self._end_run() if k in self._sent else []
+            self._sent.add(k)
+            if len(self._sent) == len(self.names):
+                self._sent = set()
+        self._abandon(missing, "its previous run of this step failed there after "
+                               f"{len(self.names) - len(missing)} of {len(self.names)} "
+                               "buckets had left, and its next run began")
+
+    def stop(self, why: str) -> None:
+        """The current run ends here, unfinished: abandon what it did not send."""
+        with self._lock:
+            missing = self._end_run() if self._sent else []
+        self._abandon(missing, why)
+
+    def _end_run(self) -> List[str]:
+        missing = [name for k, name in enumerate(self.names) if k not in self._sent]
+        self._sent = set()
+        self.abandoned_runs += 1
+        return missing
+
+    def _abandon(self, names: List[str], why: str) -> None:
+        for name in names:
+            abandon_async(name, why, self.process_set)
+
+
 class GradientBuckets:
     """Arrays made one at a time (a backward pass) reduced in buckets as they fill.
 
@@ -107,7 +153,12 @@ class GradientBuckets:
         self.buckets = plan([int(s) for s in sizes], cap)
         self._bucket_of = {i: k for k, members in enumerate(self.buckets) for i in members}
         self._lock = threading.Lock()
+        self._runs = BucketRuns([self._bucket_name(k) for k in range(len(self.buckets))],
+                                process_set)
         self._start()
+
+    def _bucket_name(self, k: int) -> str:
+        return f"{self.name}.bucket{k}"
 
     def _start(self) -> None:
         self._arrays: List = [None] * len(self._bucket_of)
@@ -128,10 +179,25 @@ class GradientBuckets:
             if self._missing[k]:
                 return None
         op, pre, post, ps = self._args
+        self._runs.sending(k)
         handle = grouped_allreduce_async([self._arrays[i] for i in self.buckets[k]], op,
-                                         f"{self.name}.bucket{k}", pre, post, process_set=ps)
+                                         self._bucket_name(k), pre, post, process_set=ps)
         self._handles[k] = handle
         return handle
+
+    def discard(self, why: str = "the step failed there") -> None:
+        """This step failed on this rank: forget what was marked, tell every rank that the
+        buckets not yet sent will never come (their waits fail naming this rank), and wait
+        for those that left, so the next step can send them again."""
+        with self._lock:
+            sent = [h for h in self._handles if h is not None]
+            self._start()
+        self._runs.stop(why)
+        for handle in sent:  # the buckets that left: done once the other ranks send theirs
+            try:
+                handle.result()
+            except Exception:  # noqa: BLE001 - this step is given up anyway
+                pass
 
     def results(self) -> List:
         """Every array reduced, in index order; the next step starts afterwards."""
@@ -139,10 +205,18 @@ class GradientBuckets:
         if missing:
             raise ValueError(f"{self.name}: arrays {missing[:8]} were never marked ready")
         out: List = [None] * len(self._arrays)
+        error = None
         try:
             for members, handle in zip(self.buckets, self._handles):
-                for i, r in zip(members, handle.result()):
+                try:  # every bucket done before the first error is raised: the next step
+                    results = handle.result()  # may then send them all again
+                except Exception as e:  # noqa: BLE001 - raised below
+                    error = error or e
+                    continue
+                for i, r in zip(members, results):
                     out[i] = r
         finally:
             self._start()
+        if error is not None:
+            raise error
         return out

@@ -30,7 +30,7 @@ from .process_sets import SetHandle, global_process_set, runtime_for
 __all__ = ["allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
            "allgather", "allgather_async", "broadcast", "broadcast_async",
            "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-           "barrier", "join", "join_async", "poll", "synchronize"]
+           "barrier", "join", "join_async", "poll", "synchronize", "abandon_async"]
 
 _name_lock = threading.Lock()
 _counters = {}
@@ -181,6 +181,13 @@ def _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum,
     return _submit(Kind.ALLREDUCE, arr, name, rt=rt, op=int(op), prescale=float(prescale_factor),
                    postscale=float(postscale_factor), quorum=k,
                    host_only=op == ReduceOp.ADASUM)
+
+
+def abandon_async(name: str, reason: str, process_set=global_process_set) -> Handle:
+    """This rank will never send tensor `name`: every rank's request for it fails with an
+    error naming this rank and `reason` (its handle here fails the same way)."""
+    rt = runtime_for(process_set, "abandon")
+    return _submit(Kind.ALLREDUCE, None, name, rt=rt, abandoned=str(reason) or "abandoned")
 
 
 def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,

@@ -59,6 +59,11 @@ def check_requests(name: str, requests: Dict[int, Request], size: int,
         return Response(kind=first.kind, name=name, error=f"tensor '{name}': {message}",
                         error_type=error_type)
 
+    gone = {r: q.abandoned for r, q in requests.items() if q.abandoned}
+    if gone:
+        return fail(f"{format_ranks(sorted(gone))} will never send it: "
+                    f"{gone[min(gone)]}")
+
     for field, label in (("kind", "collective"), ("dtype", "dtype"), ("device", "device"),
                          ("op", "reduce op"), ("root", "root rank"),
                          ("prescale", "prescale factor"), ("postscale", "postscale factor"),

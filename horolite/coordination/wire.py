@@ -165,6 +165,7 @@ OPTIONAL_STOP = _optional(_w_pair, _r_pair)
 REQUEST_FIELDS = (
     ("name", STR), ("kind", KIND), ("dtype", STR), ("shape", INTS), ("op", INT), ("root", INT),
     ("prescale", FLOAT), ("postscale", FLOAT), ("device", STR), ("group", SHAPES), ("quorum", INT),
+    ("abandoned", STR),
 )
 RESPONSE_FIELDS = (
     ("kind", KIND), ("name", STR), ("dtype", STR), ("shape", INTS), ("op", INT), ("root", INT),

@@ -46,11 +46,15 @@ class Request:
     group: Tuple[Tuple[int, ...], ...] = ()
     # Quorum allreduce (quorum.py): done once this many ranks have submitted; 0: all of them.
     quorum: int = 0
+    # Non-empty: this rank will never send this tensor (why); every rank's request for it
+    # fails with the reason (a step abandoned after some of its buckets left: api/buckets.py).
+    abandoned: str = ""
 
     def signature(self) -> tuple:
         """Everything but the name: equal signatures mean a cached response still fits."""
         return (self.kind, self.dtype, self.shape, self.op, self.root,
-                self.prescale, self.postscale, self.device, self.group, self.quorum)
+                self.prescale, self.postscale, self.device, self.group, self.quorum,
+                self.abandoned)
 
 
 @dataclass

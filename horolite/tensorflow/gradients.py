@@ -174,6 +174,20 @@ class GradientReducer:
                              "pass sparse_as_dense=True")
         groups = self._group_indices(dense, variables, grads)
         jobs = []  # (order key, enqueue thunk, finish(hid) -> None)
+        # A graph's step of several requests: if it fails here after some left, the next
+        # run tells the other ranks the rest will never come (api/buckets.BucketRuns).
+        runs = buckets.BucketRuns([], ps) if graph and len(groups) + len(sparse) > 1 else None
+
+        def tracked(name, submit):
+            if runs is None:
+                return submit
+            k = len(runs.names)
+            runs.names.append(name)
+
+            def submit_in_run(*arrays):
+                runs.sending(k)
+                return submit(*arrays)
+            return submit_in_run
 
         def request(members):
             """(the compressed tensors and their contexts, submit, whether submit must get copies)"""
@@ -183,9 +197,9 @@ class GradientReducer:
                 submit, copy = (lambda a: _core.allreduce_async(a, op, nm, pre, post,
                                                                 process_set=ps)), True
             else:
-                submit, copy = grouped_allreduce_submit(f"{base}.group.{labels[members[0]]}",
-                                                        op, pre, post, ps)
-            return comp, submit, copy
+                nm = f"{base}.group.{labels[members[0]]}"
+                submit, copy = grouped_allreduce_submit(nm, op, pre, post, ps)
+            return comp, tracked(nm, submit), copy
 
         def decompress(members, comp, results):
             for i, r, (_, ctx) in zip(members, results, comp):
@@ -216,8 +230,10 @@ class GradientReducer:
             def job(i=i):
                 g = grads[i]
                 nm = f"{base}.grad.{labels[i]}"
-                hv = _enqueue(lambda a, nm=nm: _core.allgather_async(a, nm + ".values", ps), [g.values])
-                hi = _enqueue(lambda a, nm=nm: _core.allgather_async(a, nm + ".indices", ps), [g.indices])
+                hv = _enqueue(tracked(nm + ".values", lambda a, nm=nm: _core.allgather_async(
+                    a, nm + ".values", ps)), [g.values])
+                hi = _enqueue(tracked(nm + ".indices", lambda a, nm=nm: _core.allgather_async(
+                    a, nm + ".indices", ps)), [g.indices])
 
                 def finish(_):
                     values = wait(hv, [g.values.dtype], [tf.TensorShape([None]).concatenate(g.values.shape[1:])])[0]

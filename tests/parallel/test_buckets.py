@@ -71,3 +71,31 @@ def test_bad_use_is_named():
         buckets.results()
     with pytest.raises(ValueError, match="needs a name"):
         hvd.GradientBuckets([16], "")
+
+
+def test_a_step_discarded_on_one_rank_fails_there_and_everywhere_then_works():
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+    sizes = [int(np.prod(s)) * 4 for s in SHAPES]
+    buckets = hvd.GradientBuckets(sizes, "np_buckets.discard", cap_bytes=20_000)
+    mine = arrays(R, np.float32)
+    n = len(SHAPES)
+    if R == 1:  # its backward pass fails after the last layers' bucket left
+        for i in reversed(range(n)):
+            if buckets.ready(i, mine[i]) is not None:
+                break
+        buckets.discard("its backward pass raised")
+    else:
+        for i in reversed(range(n)):
+            buckets.ready(i, mine[i])
+        with pytest.raises(hvd.TensorMismatchError,
+                           match="rank 1 will never send it: its backward pass raised"):
+            buckets.results()
+    for step in (1, 2):  # the next steps work
+        for i in reversed(range(n)):
+            buckets.ready(i, arrays(R, np.float32, step)[i])
+        got = buckets.results()
+        want = [np.mean([arrays(r, np.float32, step)[k].astype(np.float64) for r in range(N)], axis=0)
+                for k in range(n)]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)

@@ -315,3 +315,66 @@ def test_legacy_optimizer_in_a_tf1_graph_updates_like_numpy_and_overlaps():
         tf.float32, [w.nbytes for w in weights])
     if EXPECT:
         assert hits >= 1, "no step's first bucket was exchanged before its last was computed"
+
+
+class FailOnFlag(keras.layers.Layer):
+    """Identity forward; its backward fails (a reshape that cannot fit) while `flag` is set:
+    an op of backprop raising on one rank after the later layers' buckets left."""
+
+    def __init__(self, flag, **kwargs):
+        super().__init__(**kwargs)
+        self.flag = flag
+
+    def call(self, x):
+        flag = self.flag
+
+        @tf.custom_gradient
+        def identity(x):
+            def grad(dy):
+                shape = tf.where(flag > 0.5, tf.constant([-1, 7]), tf.shape(dy))
+                return tf.reshape(tf.reshape(dy, shape), tf.shape(dy))
+            return tf.identity(x), grad
+        return identity(x)
+
+
+def test_a_rank_failing_after_its_first_bucket_left_fails_the_step_everywhere_then_works():
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+    flag = tf.Variable(0.0, trainable=False)
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(WIDTH, activation="tanh"),
+                              FailOnFlag(flag)] +
+                             [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(LAYERS)] +
+                             [keras.layers.Dense(4)])
+    opt = keras.optimizers.SGD(0.01)
+    x, y = (tf.constant(a) for a in data(R))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        return loss
+    step()
+    sizes = [int(np.prod(v.shape)) * 4 for v in model.trainable_variables]
+    assert expected_requests(tf.float32, sizes) >= 2, "the driver runs this case with buckets"
+    flag.assign(1.0 if R == 1 else 0.0)
+    if R == 1:  # the cause, here: its own op's error
+        with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
+            step()
+        flag.assign(0.0)
+        step()  # its next step tells the others, then works
+    else:  # the others: the step fails naming rank 1 and why
+        with pytest.raises(tf.errors.FailedPreconditionError,
+                           match=r"rank 1 will never send it: its previous run of this step "
+                                 r"failed there after \d+ of \d+ buckets had left"):
+            step()
+        step()
+    # ... and the steps after that are whole again: equal weights everywhere
+    step()
+    w = model.trainable_variables[0].numpy()
+    every = COMM.allgather(w)
+    for other in every:
+        np.testing.assert_array_equal(other, every[0])

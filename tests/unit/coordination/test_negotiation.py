@@ -163,3 +163,10 @@ def test_a_process_sets_coordinator_names_job_ranks():
     assert out[0].error == "tensor 't': mismatched dtype: rank 3 had float32, rank 5 had int32"
     assert c.stalled(now=12.5, after=2.0) == [("late", [3], [5], 2.5), ("u", [6], [3, 5], 2.5)]
     assert c.stalled(now=11.0, after=2.0) == []
+
+
+def test_an_abandoned_tensor_fails_on_every_rank_naming_who_and_why():
+    reqs = {0: req(), 1: req(dtype="", shape=(), abandoned="its step failed"), 2: req()}
+    resp = check_requests("t", reqs, 3)
+    assert resp.error == "tensor 't': rank 1 will never send it: its step failed"
+    assert resp.error_type == "mismatch"

@@ -13,6 +13,7 @@ REQUESTS = [
     Request("w/ünï", Kind.BROADCAST, "int64", (), op=1, root=2, prescale=0.5, postscale=-2.25,
             device="cuda"),
     Request("g", Kind.ALLREDUCE, "float16", (10,), group=((2, 3), (4,), ()), quorum=3),
+    Request("gone", Kind.ALLREDUCE, "", (), abandoned="its previous run failed after 1 of 3 — ünïcode"),
     Request("horolite.join", Kind.JOIN, "", ()),
 ]
 RESPONSES = [
