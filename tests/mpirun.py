@@ -70,43 +70,61 @@ def _shared_gpu_nccl(env) -> bool:
     return env.get("HOROLITE_TEST_NCCL_SHARED_GPU", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _sizes_listed(reason: str) -> list:
+    """The job sizes a "run at np (2, 3) only" skip names."""
+    return [int(n) for n in re.findall(r"\d+", reason.split(" only")[0])]
+
+
 # The rank-side skips a job may have, each with when it is expected: (reason pattern,
-# expected(np_, env, machine)). Any other skip fails the job: a skip that is not expected on
-# this machine (a hierarchical case on a layout where it should run, CuPy missing where it is
-# installed, a GPU case on a machine with a GPU) hides a test that did not run.
+# expected(np_, env, machine, reason)). Any other skip fails the job: a skip that is not
+# expected on this machine (a hierarchical case on a layout where it should run, CuPy missing
+# where it is installed, a GPU case on a machine with a GPU) hides a test that did not run.
 EXPECTED_SKIPS = [
     (r"needs at least two ranks|a mismatch needs (at least )?two ranks|one rank has nobody"
      r"|one rank cannot disagree|needs a late rank|needs a joined rank|needs a rank outside a set"
      r"|needs a straggler",
-     lambda np_, env, m: np_ < 2),
-    (r"a subset of two ranks needs a third outside it", lambda np_, env, m: np_ < 3),
-    (r"^needs 4 ranks$", lambda np_, env, m: np_ < 4),
-    (r"^not a member$", lambda np_, env, m: True),  # process sets: this rank is outside the set
-    (r"^run at np \(.*\) only \(suite time\)$", lambda np_, env, m: True),
+     lambda np_, env, m, why: np_ < 2),
+    (r"a subset of two ranks needs a third outside it", lambda np_, env, m, why: np_ < 3),
+    (r"^needs 4 ranks$", lambda np_, env, m, why: np_ < 4),
+    # process sets: this rank is outside the set (and a rank inside it must run the test:
+    # NEEDS_A_RANK_THAT_RAN_IT)
+    (r"^not a member$", lambda np_, env, m, why: True),
+    (r"^run at np \(.*\) only \(suite time\)$",
+     lambda np_, env, m, why: np_ not in _sizes_listed(why)),
     (r"no NCCL transport here|no CUDA device|needs two visible GPUs|TensorFlow sees no GPU"
      r"|not every rank can use NCCL|NCCL does not load|cupy not installed",
-     lambda np_, env, m: m.gpus == 0),
-    (r"needs two visible GPUs", lambda np_, env, m: m.gpus < 2),
+     lambda np_, env, m, why: m.gpus == 0),
+    (r"needs two visible GPUs", lambda np_, env, m, why: m.gpus < 2),
     # More ranks than GPUs, as users run them: NCCL is off (the job stages), so the cases
     # that need NCCL skip with its reason. With the test switch every rank has NCCL.
-    (r"would share one GPU", lambda np_, env, m: np_ > m.gpus and not _shared_gpu_nccl(env)),
-    (r"cupy not importable here", lambda np_, env, m: not m.cupy),
-    (r"^TensorFlow is not installed here", lambda np_, env, m: not m.tensorflow),
-    (r"HOROLITE_TF_NATIVE_OPS=0 in this run", lambda np_, env, m: _native_off(env)),
+    (r"would share one GPU", lambda np_, env, m, why: np_ > m.gpus and not _shared_gpu_nccl(env)),
+    (r"cupy not importable here", lambda np_, env, m, why: not m.cupy),
+    (r"^TensorFlow is not installed here", lambda np_, env, m, why: not m.tensorflow),
+    (r"HOROLITE_TF_NATIVE_OPS=0 in this run", lambda np_, env, m, why: _native_off(env)),
 ]
+# Skips expected on some ranks only: the test must have passed on another rank of the job.
+NEEDS_A_RANK_THAT_RAN_IT = [r"^not a member$"]
 
 
-def unexpected_skips(skips, np_: int, env, machine: "Machine | None" = None) -> list:
-    """The [test id, reason] skips that EXPECTED_SKIPS does not allow for this job."""
+def unexpected_skips(skips, np_: int, env, machine: "Machine | None" = None,
+                     passed=None) -> list:
+    """The [test id, reason] skips that EXPECTED_SKIPS does not allow for this job.
+    `passed`: the test ids that passed on some rank of the job (None: not judged)."""
     machine = machine or this_machine()
-    return [(test, reason) for test, reason in skips
-            if not any(re.search(pattern, reason) and expected(np_, env, machine)
-                       for pattern, expected in EXPECTED_SKIPS)]
+    bad = []
+    for test, reason in skips:
+        if not any(re.search(pattern, reason) and expected(np_, env, machine, reason)
+                   for pattern, expected in EXPECTED_SKIPS):
+            bad.append((test, reason))
+        elif passed is not None and test not in passed and \
+                any(re.search(pattern, reason) for pattern in NEEDS_A_RANK_THAT_RAN_IT):
+            bad.append((test, f"{reason} (and no rank ran it)"))
+    return bad
 
 
 def _collect(outdir: str, np_: int, env) -> str:
     """Add the job's rank counts to RESULTS; return why they are wrong, or ""."""
-    problems, skips = [], []
+    problems, skips, passed = [], [], set()
     for r in range(np_):
         path = os.path.join(outdir, f"rank{r}.json")
         if not os.path.exists(path):
@@ -115,6 +133,7 @@ def _collect(outdir: str, np_: int, env) -> str:
         with open(path) as f:
             counts = json.load(f)
         RESULTS["passed"] += counts["passed"]
+        passed.update(counts.get("passed_ids", ()))
         RESULTS["skipped"] += counts["skipped"]
         for test, reason in counts["skips"]:
             RESULTS["reasons"][reason] = RESULTS["reasons"].get(reason, 0) + 1
@@ -122,7 +141,7 @@ def _collect(outdir: str, np_: int, env) -> str:
         if counts["passed"] == 0 and counts["skipped"] == 0:
             problems.append(f"rank {r} ran no test")
     RESULTS["jobs"] += 1
-    bad = unexpected_skips([(t, why) for _, t, why in skips], np_, env)
+    bad = unexpected_skips([(t, why) for _, t, why in skips], np_, env, passed=passed)
     problems += [f"unexpected skip on this machine: {t}: {why}" for t, why in dict.fromkeys(bad)]
     return "\n".join(problems)
 

@@ -15,6 +15,7 @@ class Outcomes:
     def __init__(self):
         self.counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
         self.skips = []
+        self.passed = []  # test ids (a skip on one rank may need another rank to have run it)
 
     def pytest_runtest_logreport(self, report):
         if report.skipped:
@@ -25,6 +26,7 @@ class Outcomes:
             self.counts["failed" if report.when == "call" else "errors"] += 1
         elif report.when == "call":
             self.counts["passed"] += 1
+            self.passed.append(report.nodeid)
 
 
 def main():
@@ -39,7 +41,8 @@ def main():
     code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly", *sys.argv[1:]],
                        plugins=[outcomes])
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump({"exit": int(code), **outcomes.counts, "skips": outcomes.skips}, f)
+        json.dump({"exit": int(code), **outcomes.counts, "skips": outcomes.skips,
+                   "passed_ids": outcomes.passed}, f)
     if "horolite" in sys.modules:
         sys.modules["horolite"].shutdown()
     log.flush()

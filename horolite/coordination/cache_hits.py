@@ -21,12 +21,14 @@ class CacheHits:
     def __init__(self, cache, carrier, demote_after: float):
         self.cache, self.carrier, self.demote_after = cache, carrier, demote_after
         self.waiting: Dict[int, Entry] = {}  # cache slot -> entry, in submission order
+        self.waited = 0  # cache hits that came here to wait (tests read it)
 
     def hold(self, slot: int, entry: Entry) -> bool:
         """Wait for `slot` to be ready everywhere; False if another entry already does."""
         if slot in self.waiting:
             return False
         self.waiting[slot] = entry
+        self.waited += 1
         return True
 
     def expired(self, now: float) -> List[Tuple[int, Entry]]:

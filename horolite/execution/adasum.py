@@ -57,4 +57,5 @@ def run_adasum(executor, batch: List[Response], entries: List[Optional[object]])
     Handle.set_results([h for _, h, _ in done], [v for _, _, v in done])
     if len(batch) > 1:
         executor.fused_batches += 1
+        executor.fused_tensors += len(batch)
     return flat.nbytes

@@ -85,6 +85,7 @@ class Executor:
         self.size = transport.size
         self.fusion_threshold = fusion_threshold
         self.fused_batches = 0  # allreduces of several tensors in one buffer (tests read it)
+        self.fused_tensors = 0  # the tensors in them: with fused_batches, tensors per batch
         shared = getattr(transport, "shared_memory", None)
         self.outputs = OutputPool(shared.arena if shared is not None else None)
         self._plans = {}  # see _plan
@@ -215,6 +216,7 @@ class Executor:
                 else:
                     members.append(array.reshape(-1))
             self.fused_batches += 1
+            self.fused_tensors += len(batch)
             # One result array for the batch, reduced in place; each tensor's result is a
             # view of it (from the pool: reused once every view is gone).
             layout = layout or _FusedLayout(batch)

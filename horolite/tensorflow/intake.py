@@ -49,6 +49,9 @@ class Intake:
         self._buffer = native.ffi.buffer
         self._unpack = native.ffi.unpack
         self._queue = None
+        # Traced-group members this thread held for a later member, and members of an
+        # abandoned run it dropped (tests read them: what the groups did, not how traced)
+        self.held = self.dropped = 0
         registry.add_intake(self)
 
     def register(self, submit) -> int:
@@ -109,6 +112,8 @@ class Intake:
                                   time.monotonic())
                 continue
             ready, stale = spec.group.collect(spec.index, (item.hid, spec.submit, arrays))
+            self.held += ready is None
+            self.dropped += len(stale)
             for hid, _, _ in stale:  # (their wait ops were cancelled with their step)
                 native.fail(hid, _ABANDONED)
             for hid, submit, member_arrays in ready or ():

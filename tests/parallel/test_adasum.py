@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 import horolite as hvd
+from horolite.runtime import registry
 
 hvd.init(process_sets="dynamic")
 RANK, SIZE = hvd.rank(), hvd.size()
+RT = registry.global_runtime()
 POW2 = SIZE & (SIZE - 1) == 0
 needs_pow2 = pytest.mark.skipif(not POW2, reason="Adasum needs a power-of-two number of ranks")
 TOL = {np.float16: dict(rtol=5e-3, atol=5e-3), np.float32: dict(rtol=1e-5, atol=1e-6),
@@ -89,24 +91,55 @@ def test_grouped_and_fused_tensors_each_have_their_own_coefficients():
     everyone = [inputs(40 + i, s, d) for i, (s, d) in enumerate(zip(shapes, dtypes))]
     everyone[1] = [t * (10.0 ** r) for r, t in enumerate(everyone[1])]  # very unequal norms
     mine = [e[RANK] for e in everyone]
-    handles = [hvd.allreduce_async(t, op=hvd.Adasum, name=f"ada.fuse.{i}")
-               for i, t in enumerate(mine)]  # submitted together: they fuse
-    for got in (hvd.grouped_allreduce(mine, op=hvd.Adasum, name="ada.group"),
-                [hvd.synchronize(h) for h in handles]):
+    batches, tensors = RT.executor.fused_batches, RT.executor.fused_tensors
+    # Submitted while no cycle can run (the background thread's turn is held), so each
+    # rank's first cycle has all of them: the two float32 tensors fuse, in each call.
+    with RT.turns._lock:
+        handles = [hvd.allreduce_async(t, op=hvd.Adasum, name=f"ada.fuse.{i}")
+                   for i, t in enumerate(mine)]
+        group = hvd.grouped_allreduce_async(mine, op=hvd.Adasum, name="ada.group")
+    for got in (hvd.synchronize(group), [hvd.synchronize(h) for h in handles]):
         for g, e, s, d in zip(got, everyone, shapes, dtypes):
             assert g.dtype == d and g.shape == s
             np.testing.assert_allclose(g.astype(np.float64), expected(e, s), **TOL[d])
     if SIZE > 1:
+        assert (RT.executor.fused_batches - batches, RT.executor.fused_tensors - tensors) == (2, 4)
         whole = tree([np.concatenate([everyone[0][r], everyone[1][r].ravel()]) for r in range(SIZE)])
         assert not np.allclose(whole[:7], expected(everyone[0], (7,)), rtol=1e-3)
 
 
 @needs_pow2
-def test_scale_factors_apply_before_and_after():
+def test_scale_factors_multiply_the_result():
+    # Adasum is linear in a common scale (tree(c x) = c tree(x)): this checks the product
+    # of the two factors; the next test checks where the prescale applies.
     everyone = inputs(7, (10,), np.float64)
     got = hvd.allreduce(everyone[RANK], op=hvd.Adasum, name="ada.scaled", prescale_factor=0.5,
                         postscale_factor=3.0)
     np.testing.assert_allclose(got, 3.0 * tree([0.5 * x for x in everyone]), rtol=1e-12)
+
+
+def hadamard(n):
+    h = np.ones((1, 1))
+    while len(h) < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+@needs_pow2
+def test_the_prescale_applies_before_the_sum_in_float16():
+    # Rows of a Hadamard matrix are orthogonal, so Adasum adds them: the first element of
+    # the sum is SIZE * c, 80000 from 2 ranks on, past float16's largest (65504). Scaled
+    # by 0.5 first, every partial sum fits; scaled after, the sum is already inf.
+    c = min(80000.0 / SIZE, 40000.0)
+    everyone = [(c * hadamard(SIZE)[r]).astype(np.float16) for r in range(SIZE)]
+    if SIZE > 1:
+        assert np.isinf(np.float16(tree(everyone)[0]))  # (unscaled, the sum overflows)
+    got = hvd.allreduce(everyone[RANK], op=hvd.Adasum, name="ada.scaled.f16",
+                        prescale_factor=0.5, postscale_factor=0.75)
+    assert got.dtype == np.float16 and np.isfinite(got).all(), got
+    np.testing.assert_allclose(got.astype(np.float64),
+                               0.75 * tree([0.5 * x.astype(np.float64) for x in everyone]),
+                               **TOL[np.float16])
 
 
 @needs_pow2

@@ -75,24 +75,28 @@ def test_grouped_allreduce_keeps_each_tensors_coefficients(mode):
     got = run(mode, fn, everyone[0][R], everyone[1][R])
     for g, e, s in zip(got, everyone, shapes):
         np.testing.assert_allclose(g, tree(e, s), rtol=1e-12)
+    if N > 1:  # one set of coefficients for both would give another answer
+        whole = tree([np.concatenate([everyone[0][r], everyone[1][r].ravel()]) for r in range(N)],
+                     (10,))
+        assert not np.allclose(whole[:4], tree(everyone[0], (4,)), rtol=1e-3)
 
 
-def linear_problem(r):
-    """Rank r's batch of a linear least-squares problem (gradients differ by rank)."""
-    rng = np.random.RandomState(50 + r)
+def linear_problem(r, batch=0):
+    """Rank r's `batch` of a linear least-squares problem (gradients differ by rank and batch)."""
+    rng = np.random.RandomState(50 + r + 1000 * batch)
     return rng.normal(size=(6, 3)), rng.normal(size=(6, 1))
 
 
 W0 = np.random.RandomState(7).normal(size=(3, 1))
 
 
-def grad_of(w, r):
-    x, y = linear_problem(r)
+def grad_of(w, r, batch=0):
+    x, y = linear_problem(r, batch)
     return 2 * x.T @ (x @ w - y) / len(y)
 
 
-def loss(w, r):
-    x, y = linear_problem(r)
+def loss(w, r, batch=0):
+    x, y = linear_problem(r, batch)
     return tf.reduce_mean(tf.square(tf.matmul(tf.constant(x), w) - tf.constant(y)))
 
 
@@ -115,14 +119,17 @@ def test_gradient_tape_with_backward_passes_sums_locally_then_adasum():
         return
     w = tf.Variable(W0)
     got = []
-    for _ in range(2):  # the same gradient twice: the second call reduces their sum
+    for batch in range(2):  # a batch per pass: the second call reduces the two's sum
         with tf.GradientTape() as tape:
-            value = loss(w, R)
+            value = loss(w, R, batch)
         tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum, backward_passes_per_step=2)
         got.append((tape.gradient(value, [w])[0].numpy(), tape.gradients_ready))
     assert [ready for _, ready in got] == [False, True]
-    np.testing.assert_allclose(got[1][0], tree([2 * grad_of(W0, r) for r in range(N)], W0.shape),
-                               rtol=1e-10)
+    summed = [grad_of(W0, r, 0) + grad_of(W0, r, 1) for r in range(N)]
+    np.testing.assert_allclose(got[1][0], tree(summed, W0.shape), rtol=1e-10)
+    if N > 1:  # Adasum of each pass, then their sum, would give another answer
+        each = sum(tree([grad_of(W0, r, b) for r in range(N)], W0.shape) for b in range(2))
+        assert not np.allclose(each, tree(summed, W0.shape), rtol=1e-3)
 
 
 def test_keras_optimizer_applies_the_adasum_of_the_gradients():

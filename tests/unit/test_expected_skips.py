@@ -75,3 +75,36 @@ def test_no_gpu_accepts_every_gpu_skip():
                         "no CUDA device: cupy not installed"]
     assert judge(reasons, 1, none) == []
     assert judge(["something else"], 1, none) == ["something else"]
+
+
+NATIVE_OFF = "HOROLITE_TF_NATIVE_OPS=0 in this run"
+
+
+@pytest.mark.parametrize("value", ["0", "false", "off", " No "])
+def test_the_native_op_skip_is_expected_only_where_the_driver_turned_it_off(value):
+    cpu = Machine(0, tensorflow=True, cupy=False)
+    assert judge([NATIVE_OFF], 2, cpu, {"HOROLITE_TF_NATIVE_OPS": value}) == []
+    # the default run, or the op asked for: the file's tests were hidden
+    assert judge([NATIVE_OFF], 2, cpu) == [NATIVE_OFF]
+    assert judge([NATIVE_OFF], 2, cpu, {"HOROLITE_TF_NATIVE_OPS": "1"}) == [NATIVE_OFF]
+
+
+def test_run_at_some_sizes_only_is_expected_at_the_other_sizes_only():
+    cpu = Machine(0, tensorflow=True, cupy=False)
+    for sizes, np_, expected in [((2, 3), 1, True), ((2, 3), 2, False), ((2, 3), 3, False),
+                                 ((2, 3), 4, True), ((3,), 3, False), ((3,), 2, True)]:
+        why = f"run at np {sizes} only (suite time)"
+        assert (judge([why], np_, cpu) == []) == expected, (sizes, np_)
+
+
+def test_not_a_member_is_expected_only_where_a_member_ran_the_test():
+    cpu = Machine(0, tensorflow=False, cupy=False)
+    skips = [("t::a", "not a member"), ("t::b", "not a member")]
+    assert unexpected_skips(skips, 3, {}, cpu, passed={"t::a", "t::b", "t::c"}) == []
+    assert unexpected_skips(skips, 3, {}, cpu, passed={"t::a"}) == [
+        ("t::b", "not a member (and no rank ran it)")]
+    # other skips expected on every rank need nobody to have run the test
+    assert unexpected_skips([("t::c", "needs at least two ranks")], 1, {}, cpu, passed=set()) == []
+    # and an expected skip stays unexpected where its condition does not hold
+    assert unexpected_skips([("t::c", "needs at least two ranks")], 2, {}, cpu,
+                            passed={"t::c"}) == [("t::c", "needs at least two ranks")]
