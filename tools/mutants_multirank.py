@@ -28,6 +28,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NATIVE = "tests/tensorflow/test_tf_native_enqueue.py"
+BUCKETS = "tests/tensorflow/test_tf_buckets.py"
+BUCKETS_ON = {"HOROLITE_GRADIENT_BUCKET_MB": "0.3", "HOROLITE_TEST_EXPECT_BUCKETS": "1"}
+# A test left waiting for a tensor that never comes fails in seconds instead of at the timeout.
+STALL_ENDS_JOB = {"HOROLITE_STALL_CHECK_TIME_SECONDS": "5", "HOROLITE_STALL_SHUTDOWN_TIME_SECONDS": "10"}
 # name, file, text, its replacement, the tests that must fail: (rank-side file, np, -k, env)
 MUTANTS = [
     ("enqueue op keeps no input Tensor", "horolite/tensorflow/enqueue_op.cc",
@@ -48,6 +52,14 @@ MUTANTS = [
      "            self._held[index] = held\n", "            return [held], stale\n",
      [(NATIVE, 2, expr, {}) for expr in ("one_batch and float32-5x7", "wait_for_itself",
                                          "stateful", "fails_before")]),
+    ("backprop does not wait for a bucket's enqueue", "horolite/tensorflow/gradients.py",
+     "                order.order_after(tensors)\n", "                pass\n",
+     [(BUCKETS, 2, expr, BUCKETS_ON) for expr in ("tape_in_a_function_overlaps",
+                                                  "fit_applies_the_averaged")]),
+    ("a failed step's missing buckets are never abandoned", "horolite/api/buckets.py",
+     "            abandon_async(name, why, self.process_set)\n", "            pass\n",
+     [("tests/parallel/test_buckets.py", 2, "discarded", STALL_ENDS_JOB),
+      (BUCKETS, 2, "failing_after", dict(BUCKETS_ON, **STALL_ENDS_JOB))]),
 ]
 # The second half of the Adasum mutant: the prescale, moved after the sum.
 EXTRA = {
