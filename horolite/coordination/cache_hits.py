@@ -21,6 +21,7 @@ class CacheHits:
     def __init__(self, cache, carrier, demote_after: float):
         self.cache, self.carrier, self.demote_after = cache, carrier, demote_after
         self.waiting: Dict[int, Entry] = {}  # cache slot -> entry, in submission order
+        self.newest_carried = 0.0  # when the newest of the last round's carried ones was submitted
 
     def hold(self, slot: int, entry: Entry) -> bool:
         """Wait for `slot` to be ready everywhere; False if another entry already does."""
@@ -63,9 +64,12 @@ class CacheHits:
             ready = [slot for slot in ready if slot not in dropped]
             carried = [slot for slot in carried if slot not in dropped]
         reduced = 0
+        self.newest_carried = 0.0
         if carried:
-            reduced = self.carrier.run(self.cache.responses(carried),
-                                       list(map(self.waiting.pop, carried)), carried, timeline)
+            finished = list(map(self.waiting.pop, carried))
+            self.newest_carried = max(e.submitted or e.taken for e in finished)  # for the straggler record
+            reduced = self.carrier.run(self.cache.responses(carried), finished, carried,
+                                       timeline)
             if len(carried) == len(ready):
                 ready = []
             else:
