@@ -21,7 +21,10 @@ class CacheHits:
     def __init__(self, cache, carrier, demote_after: float):
         self.cache, self.carrier, self.demote_after = cache, carrier, demote_after
         self.waiting: Dict[int, Entry] = {}  # cache slot -> entry, in submission order
-        self.newest_carried = 0.0  # when the newest of the last round's carried ones was submitted
+        # For the straggler record: when the newest of the last round's carried ones was
+        # submitted, and the first one's name.
+        self.newest_carried = 0.0
+        self.carried_name = ""
 
     def hold(self, slot: int, entry: Entry) -> bool:
         """Wait for `slot` to be ready everywhere; False if another entry already does."""
@@ -67,9 +70,15 @@ class CacheHits:
         self.newest_carried = 0.0
         if carried:
             finished = list(map(self.waiting.pop, carried))
-            self.newest_carried = max(e.submitted or e.taken for e in finished)  # for the straggler record
-            reduced = self.carrier.run(self.cache.responses(carried), finished, carried,
-                                       timeline)
+            newest = 0.0  # for the straggler record (a loop: most rounds carry one)
+            for entry in finished:
+                since = entry.submitted or entry.taken
+                if since > newest:
+                    newest = since
+            self.newest_carried = newest
+            responses = self.cache.responses(carried)
+            self.carried_name = responses[0].name
+            reduced = self.carrier.run(responses, finished, carried, timeline)
             if len(carried) == len(ready):
                 ready = []
             else:

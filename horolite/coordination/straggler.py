@@ -25,8 +25,13 @@ __all__ = ["RoundAges", "StragglerTable", "encode_report", "decode_report", "emp
 # and caused more than this share of the waiting...
 NAME_SHARE = 0.5
 # ... and the others spent at least this fraction of the window's time waiting for it
-# (a balanced job's scheduling noise stays far below it).
-NAME_FRACTION = 0.05
+# (a balanced job's scheduling noise and the control round's own skew, a few ms a
+# step on a loaded machine, stay below it).
+NAME_FRACTION = 0.10
+# ... and, per round it was last in, made them wait at least this long (seconds), in
+# at least MIN_ROUNDS rounds: scheduling noise is not a straggler.
+MIN_WAIT = 0.001
+MIN_ROUNDS = 10
 # Per-round ages kept before they must travel (the same count on every rank).
 CAPACITY = 4096
 
@@ -36,22 +41,26 @@ class RoundAges:
     last exchange. NaN: this rank had no entry of its own in that round (joined)."""
 
     def __init__(self, capacity: int = CAPACITY):
-        self._ages = np.empty(capacity, dtype=np.float32)
-        self.count = 0
+        self._ages: list = []  # a list: appending to it is the cheapest note per round
+        self._capacity = capacity
+
+    @property
+    def count(self) -> int:
+        return len(self._ages)
 
     def note(self, age: float) -> bool:
         """Add one round's age; True when the buffer is full (every rank fills it at the
         same round, since every rank sees the same rounds complete)."""
-        self._ages[self.count] = age
-        self.count += 1
-        return self.count == self._ages.size
+        ages = self._ages
+        ages.append(age)
+        return len(ages) >= self._capacity
 
     def peek(self) -> bytes:
         """The buffered ages as bytes (clear() empties the buffer once they travelled)."""
-        return self._ages[:self.count].tobytes()
+        return np.array(self._ages, dtype=np.float32).tobytes()
 
     def clear(self) -> None:
-        self.count = 0
+        self._ages = []
 
 
 class _Totals:
@@ -135,9 +144,10 @@ class StragglerTable:
         if spent <= 0.0 or seconds <= 0.0:
             return None
         worst = int(np.argmax(totals.wait))
-        caused = float(totals.wait[worst])
-        if caused > NAME_SHARE * spent and totals.last[worst] > NAME_SHARE * totals.rounds \
-                and caused >= NAME_FRACTION * seconds:
+        caused, last = float(totals.wait[worst]), int(totals.last[worst])
+        if caused > NAME_SHARE * spent and last > NAME_SHARE * totals.rounds \
+                and caused >= NAME_FRACTION * seconds and last >= MIN_ROUNDS \
+                and caused >= MIN_WAIT * last:
             return worst
         return None
 

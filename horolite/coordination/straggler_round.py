@@ -41,6 +41,9 @@ class StragglerRound:
         window = self.report_seconds or DEFAULT_WINDOW
         self._every = min(EXCHANGE_SECONDS, window / 4)
         self.ages = RoundAges()
+        # False: nothing is noted (bench/straggler_ab.py compares; set on every rank at
+        # once, between collectives, or the ranks' notes would not line up).
+        self.enabled = True
         now = time.monotonic()
         self.table = StragglerTable(ranks, hosts, window, now) if rank == 0 else None
         self.report = empty_report(ranks, hosts, window)
@@ -48,18 +51,22 @@ class StragglerRound:
         self._logged = -math.inf
         self._rounds: List[Tuple[int, float, str]] = []  # rank 0 with a timeline: (index, done, name)
 
-    def note(self, entries, newest_carried: float, done: float, timeline, name) -> bool:
-        """A round completed collectives: note how long this rank had been ready with all
-        of them (NaN when none was its own). True when the buffer must travel now.
-        `name()`: the round's first tensor, for the timeline."""
+    def note(self, entries, newest_carried: float, done: float, timeline, responses,
+             carried_name: str = "") -> bool:
+        """A round completed collectives (`responses`, and any carried in the round, the
+        first named `carried_name`): note how long this rank had been ready with all of
+        them (NaN when none was its own). True when the buffer must travel now."""
+        if not self.enabled:
+            return False
         newest = newest_carried
         for entry in entries:
             if entry is not None:
-                ready = entry.submitted or entry.taken  # taken: submitted by native code
-                if ready > newest:
-                    newest = ready
+                since = entry.submitted or entry.taken  # taken: submitted by native code
+                if since > newest:
+                    newest = since
         if self.table is not None and timeline.enabled:
-            self._rounds.append((self.ages.count, done, name()))
+            name = responses[0].name if responses else carried_name
+            self._rounds.append((self.ages.count, done, name))
         return self.ages.note(done - newest if newest > 0.0 else math.nan)
 
     def due(self, now: float) -> bool:
@@ -72,10 +79,16 @@ class StragglerRound:
         self._sent = now
         gathered = transport.gather_bytes(self.ages.peek())
         if self.table is not None:
-            ages = StragglerTable.decode_ages(gathered, len(self.ranks))
-            self.table.absorb(ages, now)
-            if self._rounds:
-                self._draw(ages, timeline)
+            try:
+                ages = StragglerTable.decode_ages(gathered, len(self.ranks))
+            except ValueError as e:  # notes that do not line up: drop them, keep training
+                _log.error("rank 0: %s%s; those rounds are left out", self.label, e)
+                ages = None
+            if ages is not None:
+                self.table.absorb(ages, now)
+                if self._rounds:
+                    self._draw(ages, timeline)
+            self._rounds.clear()
             self._maybe_log(now)
             self.report = self.table.report(now)
             transport.bcast_bytes(encode_report(self.report))
@@ -115,4 +128,3 @@ class StragglerRound:
                 if not math.isnan(age):
                     timeline.span(f"submitted: rank {self.ranks[r]}", name, done - age, done,
                                   {"after_first_ms": round(1e3 * (first - age), 3)})
-        self._rounds.clear()

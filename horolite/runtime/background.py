@@ -385,8 +385,7 @@ class Runtime(JobEnd):
                 entries.append(entry)
 
         full = bool(responses or carried_slots) and self.stragglers.note(
-            entries, hits.newest_carried, answered, self.timeline,
-            lambda: responses[0].name if responses else "carried in the control round")
+            entries, hits.newest_carried, answered, self.timeline, responses, hits.carried_name)
         if responses:
             reduced += self.executor.run(responses, entries)
         if full or global_flags & STRAGGLERS:

@@ -28,6 +28,7 @@ RANK, SIZE = hvd.rank(), hvd.size()
 RT = registry.global_runtime()
 SLOW = SIZE - 1
 DELAY = 0.06  # seconds the slow rank is late at each step
+STEP = 0.1  # seconds of "compute" every rank spends per step in a balanced job
 OUTDIR = os.environ.get("HOROLITE_TEST_OUTDIR") or tempfile.mkdtemp()
 WINDOW = float(os.environ.get("HOROLITE_STRAGGLER_REPORT_SECONDS", "60"))
 
@@ -109,8 +110,8 @@ def test_a_balanced_job_names_no_rank():
         assert report["straggler"] == {"window": None, "total": None}
         assert sum(last.values()) == 0  # one rank waits for nobody
         return
-    steps = int(WINDOW / 0.03) + 10
-    report, last, wait = phase(steps, lambda s: 0.03)
+    steps = int(WINDOW / STEP) + 5
+    report, last, wait = phase(steps, lambda s: STEP)
     assert report["straggler"]["window"] is None, report
     # Nobody was late by anything like an injected delay.
     assert max(wait.values()) <= 0.2 * DELAY * steps, wait
@@ -140,8 +141,8 @@ def test_a_rank_slow_for_a_while_is_named_then_not():
     check_named(last, wait, steps)
     assert report["straggler"]["window"] == SLOW, report
     # Then balanced for longer than the window: the window forgets the slow rank.
-    calm = int(WINDOW / 0.03) + 15
-    report, last, wait = phase(calm, lambda s: 0.03)
+    calm = int(WINDOW / STEP) + 5
+    report, last, wait = phase(calm, lambda s: STEP)
     assert report["straggler"]["window"] is None, report
     assert wait[SLOW] <= 0.2 * DELAY * calm, wait
     assert report["ranks"][SLOW]["window"]["last"] < 0.8 * report["rounds"]["window"], report

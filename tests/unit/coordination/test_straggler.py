@@ -54,7 +54,7 @@ def test_spread_lateness_names_nobody():
 
 
 def test_a_small_wait_names_nobody_even_when_one_rank_is_always_last():
-    # 100 rounds, always rank 1, 0.1 ms each: 10 ms of waiting in 5 s is under 5%.
+    # 100 rounds, always rank 1, 0.1 ms each: 10 ms of waiting in 5 s is under 10%.
     t = table(2)
     t.absorb(ages_of([[0.0001, 0.0]] * 100), now=5.0)
     assert t.report(5.0)["straggler"]["window"] is None
@@ -88,7 +88,31 @@ def test_the_buffer_says_when_it_is_full():
 
 def test_the_report_survives_its_encoding_with_job_ranks_as_keys():
     t = StragglerTable([3, 5], ["a", "b"], 60.0, 0.0)
-    t.absorb(ages_of([[0.02, 0.0]] * 4), now=1.0)
+    t.absorb(ages_of([[0.02, 0.0]] * 12), now=1.0)
     report = t.report(1.0)
     assert decode_report(encode_report(report)) == report
     assert sorted(report["ranks"]) == [3, 5] and report["straggler"]["total"] == 5
+
+
+def test_a_few_late_rounds_name_nobody_until_there_are_enough():
+    t = table(2)
+    t.absorb(ages_of([[0.05, 0.0]] * 9), now=0.5)
+    assert t.report(0.5)["straggler"]["total"] is None  # 9 rounds: too few to say
+    t.absorb(ages_of([[0.05, 0.0]]), now=0.55)
+    assert t.report(0.55)["straggler"]["total"] == 1
+
+
+def test_sub_millisecond_lateness_in_a_short_run_names_nobody():
+    # Rank 1 last in every round, 0.5 ms each, 20 rounds in 0.1 s: 10% of the time,
+    # yet only scheduling noise.
+    t = table(2)
+    t.absorb(ages_of([[0.0005, 0.0]] * 20), now=0.1)
+    assert t.report(0.1)["straggler"]["total"] is None
+
+
+@pytest.mark.parametrize("each, named", [(0.009, False), (0.011, True)])
+def test_a_rank_is_named_once_the_others_spend_a_tenth_of_the_time_waiting_for_it(each, named):
+    # 20 rounds in 2 s, rank 1 always last: 9 ms each is 9% of the time, 11 ms is 11%.
+    t = table(2, window=2.0)
+    t.absorb(ages_of([[each, 0.0]] * 20), now=2.0)
+    assert (t.report(2.0)["straggler"]["window"] == 1) is named
