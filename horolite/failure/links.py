@@ -22,6 +22,7 @@ import logging
 import os
 import select
 import socket
+import threading
 import time
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -115,6 +116,9 @@ class LinkWatch:
                     self._by_ip.setdefault(ip, set()).add(q)
         self._links: Dict[int, Tuple[str, Address, List[int]]] = {}  # fd -> (inode, remote, ranks)
         self._poll = select.poll()
+        # One look at a time: a process set's background thread shares the job's watch, and
+        # two threads in one poll object's poll() is an error (RuntimeError).
+        self._lock = threading.RLock()
         self._next_refresh = 0.0
         self.lost: Optional[LinkLost] = None  # the first closed link found
         self._unsafe: Set[int] = set()
@@ -123,6 +127,10 @@ class LinkWatch:
 
     def refresh(self) -> None:
         """Find connections made since the last look (UCX connects on first use)."""
+        with self._lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
         inodes = {inode: fd for inode, fd in _own_sockets().items()
                   if fd not in self._links and inode not in self._dead}
         by_fd = {fd: inode for inode, fd in inodes.items()}
@@ -159,6 +167,10 @@ class LinkWatch:
     def _look(self) -> None:
         if not self._links and time.monotonic() < self._next_refresh:
             return
+        with self._lock:
+            self._look_locked()
+
+    def _look_locked(self) -> None:
         for fd, _ in (self._poll.poll(0) if self._links else []):
             inode, remote, ranks = self._links[fd]
             try:
@@ -174,7 +186,7 @@ class LinkWatch:
             if self.lost is None:
                 self.lost = LinkLost(self._text(ranks, remote), ranks)
         if time.monotonic() >= self._next_refresh:
-            self.refresh()
+            self._refresh()
 
     def _text(self, ranks: List[int], remote: Address) -> str:
         host = self.hostnames[ranks[0]] if ranks and ranks[0] < len(self.hostnames) else remote[0]
