@@ -101,15 +101,16 @@ def main(argv=None) -> None:
     if args.stragglers_ab:
         import straggler_ab
         step_label = f"{args.tensors} x {human_bytes(args.tensor_bytes)}"
-        times = straggler_ab.compare(
+        latency = straggler_ab.compare(
             {"one 4 KiB allreduce": lambda: hvd.allreduce(small, op=hvd.Sum, name="lat4k")},
             args.latency_iters, 10, comm)
-        times.update(straggler_ab.compare({
+        steps = straggler_ab.compare({
             f"{step_label} grouped": lambda: hvd.grouped_allreduce(tensors, op=hvd.Sum,
                                                                    name="group"),
-            f"{step_label} async + synchronize": async_step}, args.steps, 10, comm))
+            f"{step_label} async + synchronize": async_step}, args.steps, 10, comm)
         hvd.shutdown()
-        straggler_ab.print_table("small collectives", times, comm)
+        straggler_ab.print_table("small collectives: latency", latency, comm)
+        straggler_ab.print_table("small collectives: steps", steps, comm)
         return
 
     res["grouped_step_s"] = median_time(

@@ -215,3 +215,4 @@ def test_the_straggler_record_ab_prints_its_ratios(tmp_path, script, extra):
                       proc.stdout, re.M)
     assert len(rows) == 3, proc.stdout
     assert all(float(on) > 0 and float(off) > 0 for _, on, off, _, _ in rows), rows
+    assert re.search(r"^exchanges with rank 0 on rank 0: \d+, ", proc.stdout, re.M), proc.stdout

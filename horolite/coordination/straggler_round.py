@@ -44,6 +44,8 @@ class StragglerRound:
         # False: nothing is noted (bench/straggler_ab.py compares; set on every rank at
         # once, between collectives, or the ranks' notes would not line up).
         self.enabled = True
+        self.exchanges = 0  # how many, and their seconds on this rank: the record's cost
+        self.exchange_seconds = 0.0
         now = time.monotonic()
         self.table = StragglerTable(ranks, hosts, window, now) if rank == 0 else None
         self.report = empty_report(ranks, hosts, window)
@@ -75,7 +77,8 @@ class StragglerRound:
 
     def exchange(self, transport, timeline, now: Optional[float] = None) -> None:
         """Every rank at once: the ages to rank 0, its report back to all."""
-        now = time.monotonic() if now is None else now
+        start = time.monotonic()
+        now = start if now is None else now
         self._sent = now
         gathered = transport.gather_bytes(self.ages.peek())
         if self.table is not None:
@@ -95,6 +98,8 @@ class StragglerRound:
         else:
             self.report = decode_report(transport.bcast_bytes(b""))
         self.ages.clear()  # only now: a reader that sees it empty sees the new report
+        self.exchanges += 1
+        self.exchange_seconds += time.monotonic() - start
 
     def finish(self, transport, timeline) -> None:
         """At the agreed shutdown: the last ages, and the job's summary for horolite-run."""
