@@ -181,11 +181,15 @@ SUMMARY = re.compile(r"horolite-run: slowest ranks: rank (\d+) \(host [^)]+\) (\
                      r"waiting, last in (\d+)% of collectives, (\d+) ms each")
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_the_summary_names_the_slow_rank_and_its_share(run, np_):
+@pytest.mark.parametrize("np_, report_seconds", [(2, None), (3, None), (3, "0")])
+def test_the_summary_names_the_slow_rank_and_its_share(run, np_, report_seconds):
     delay = 0.06
-    r = run("-np", np_, sys.executable, STRAGGLER, np_ - 1, delay, 30, timeout=120)
+    env = {} if report_seconds is None else {"HOROLITE_STRAGGLER_REPORT_SECONDS": report_seconds}
+    r = run("-np", np_, sys.executable, STRAGGLER, np_ - 1, delay, 30, timeout=120, env=env)
     assert r.returncode == 0, r.stderr
+    # rank 0's log line: on by default (the first one comes once a rank is named), off at 0
+    line = re.search(rf"WARNING .*: rank 0: rank {np_ - 1} \(host [^)]+\) was last in", r.stderr)
+    assert bool(line) is (report_seconds is None), r.stderr
     found = SUMMARY.search(r.stderr)
     assert found, r.stderr
     rank, share, last, each = map(int, found.groups())
