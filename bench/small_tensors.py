@@ -58,6 +58,8 @@ def main(argv=None) -> None:
     p.add_argument("--tensor-bytes", type=int, default=4 * KiB)
     p.add_argument("--steps", type=int, default=200, help="timed steps per variant")
     p.add_argument("--latency-iters", type=int, default=1000)
+    p.add_argument("--stragglers-ab", action="store_true",
+                   help="only compare the straggler record on and off (bench/straggler_ab.py)")
     args = p.parse_args(argv)
     if args.tiny:
         args.tensors, args.steps, args.latency_iters = 10, 5, 10
@@ -95,6 +97,21 @@ def main(argv=None) -> None:
         handles = [hvd.allreduce_async(t, op=hvd.Sum, name=nm) for t, nm in zip(tensors, names)]
         for h in handles:
             hvd.synchronize(h)
+
+    if args.stragglers_ab:
+        import straggler_ab
+        step_label = f"{args.tensors} x {human_bytes(args.tensor_bytes)}"
+        latency = straggler_ab.compare(
+            {"one 4 KiB allreduce": lambda: hvd.allreduce(small, op=hvd.Sum, name="lat4k")},
+            args.latency_iters, 10, comm)
+        steps = straggler_ab.compare({
+            f"{step_label} grouped": lambda: hvd.grouped_allreduce(tensors, op=hvd.Sum,
+                                                                   name="group"),
+            f"{step_label} async + synchronize": async_step}, args.steps, 10, comm)
+        hvd.shutdown()
+        straggler_ab.print_table("small collectives: latency", latency, comm)
+        straggler_ab.print_table("small collectives: steps", steps, comm)
+        return
 
     res["grouped_step_s"] = median_time(
         lambda: hvd.grouped_allreduce(tensors, op=hvd.Sum, name="group"), args.steps, comm=comm)

@@ -165,6 +165,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-tf", action="store_true", help="skip the TensorFlow part")
     p.add_argument("--device-only", action="store_true",
                    help="only the GPU rows (CuPy over NCCL; tools/gpu_checks.sh)")
+    p.add_argument("--stragglers-ab", action="store_true",
+                   help="only compare the straggler record on and off on the first model's "
+                        "step (bench/straggler_ab.py)")
     p.add_argument("--render", metavar="JSON", help="measure nothing: rewrite the table and "
                    "targets of a saved run (its .md, and the targets in the JSON)")
     args = p.parse_args(argv)
@@ -179,6 +182,16 @@ def main(argv=None) -> None:
     models = step_models.models(args.tiny)
     import horolite as hvd
     hvd.init()
+    if args.stragglers_ab:
+        import straggler_ab
+        label = args.models.split(",")[0]
+        fns, _, _ = host_variants(hvd, comm, label, models[label])
+        times = straggler_ab.compare({f"{label} step, {v}": fns[v]
+                                      for v in ("grouped", "async", "one tensor")},
+                                     args.steps, args.blocks, comm)
+        hvd.shutdown()
+        straggler_ab.print_table("one training step", times, comm)
+        return
     res = {"host": {}, "device": {}, "busy_at_start": busy}
     for label in args.models.split(","):
         shapes = models[label]

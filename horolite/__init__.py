@@ -21,6 +21,7 @@ from .errors import (AdasumUnsupportedError, DuplicateNameError, HorovodInternal
 from .core.handle import Handle
 from .api.buckets import GradientBuckets
 from .api.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .api.stragglers import straggler_report
 from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 
 from .core.mpi_library import MPILibraryNotFound
@@ -29,7 +30,7 @@ from .version import __version__
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
-    "start_timeline", "stop_timeline", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+    "start_timeline", "stop_timeline", "straggler_report", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",

@@ -237,8 +237,14 @@ class _Driver:
             self.used_hosts = {h for h, _ in hosts}
             _log(f"generation {generation}: {hostlib.total_slots(hosts)} ranks on "
                  f"{_hosts_text(hosts)}")
-            outcome = _Generation(self, hosts, self.argv(hosts, generation)).run()
+            run = _Generation(self, hosts, self.argv(hosts, generation))
+            outcome = run.run()
             result = outcome.result
+            straggler = run.supervisor.stragglers.get("window")
+            if straggler and outcome.kind not in ("done", "stopped"):
+                # Named for whoever reads the restart log; never evicted for it.
+                _log(f"generation {generation}: {straggler} (rank 0's latest straggler "
+                     "report; the rank is not evicted for it)")
             if outcome.kind in ("done", "stopped"):
                 if result.message:
                     print(f"horolite-run: {result.message}", file=sys.stderr, flush=True)

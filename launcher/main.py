@@ -153,6 +153,8 @@ def main(args: Optional[Sequence[str]] = None) -> int:
                             start_timeout=config.start_timeout, start_help=config.start_help,
                             env=dict(os.environ, **dict(config.mpirun_env)))
     result = supervisor.run()
+    if "job" in supervisor.stragglers:  # which ranks held the job back, and by how much
+        print(f"horolite-run: {supervisor.stragglers['job']}", file=sys.stderr, flush=True)
     if result.message:
         print(f"horolite-run: {result.message}", file=sys.stderr, flush=True)
     return result.exit_code

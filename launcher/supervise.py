@@ -70,6 +70,9 @@ class Supervisor(JobOutcome):
         self.cause: Optional[tuple] = None
         self.cause_at = 0.0  # when the rank reported it, for a signal from outside
         self.stopped_by: Dict[int, int] = {}
+        # Rank 0's straggler record (horolite/coordination/straggler_round.py): its latest
+        # line naming a rank ("window"), and the job's summary at a clean end ("job").
+        self.stragglers: Dict[str, str] = {}
         self.shm = ShmLeftovers()
         self._stopping = False  # the launcher has signalled mpirun
         self.interrupted: Optional[int] = None
@@ -157,6 +160,8 @@ class Supervisor(JobOutcome):
                 elif kind == "exit" and stop_at is None and kill_at is None and \
                         int(fields.get("rank", -1)) in self.stopped_by:
                     stop_at = now + self.fail_grace  # stopped by another rank: end the job too
+            elif kind == "straggler":
+                self._straggler(fields)
             elif kind not in (None, "signal") and self.on_marker is not None:
                 self.on_marker(kind, fields)
             elif kind == "signal":
@@ -205,6 +210,8 @@ class Supervisor(JobOutcome):
                 self._record(kind, fields)
                 if kind == "exit":
                     self._first_failure(fields)
+            elif kind == "straggler":
+                self._straggler(fields)
             elif kind != "signal" and self.on_marker is not None:
                 self.on_marker(kind, fields)
         self._kill_local_leftovers()
@@ -220,6 +227,9 @@ class Supervisor(JobOutcome):
                 self._log(f"removed {len(files)} shared-memory segment(s) the job left in "
                           f"/dev/shm on {host}: {', '.join(os.path.basename(p) for p in files)}")
         return result
+
+    def _straggler(self, fields) -> None:
+        self.stragglers[fields.get("when", "window")] = fields.get("text", "")
 
     def _shm_report(self, fields) -> None:
         """A rank's own list of its /dev/shm files, on this host or another."""

@@ -195,3 +195,24 @@ def test_adasum_step(tmp_path):
     for key in ("step_average_s", "step_adasum_s", "large_average_s", "large_adasum_s",
                 "step_adasum_over_average", "large_adasum_over_average"):
         assert doc["results"][key] > 0, key
+
+
+@pytest.mark.parametrize("script, extra", [("small_tensors", ()),
+                                           ("step_allreduce", ("--models", "resnet50"))])
+def test_the_straggler_record_ab_prints_its_ratios(tmp_path, script, extra):
+    """--stragglers-ab (bench/straggler_ab.py): each row has both states' medians, the
+    on / off ratio and the A/A ratio, as numbers."""
+    import re
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = mpirun_command(2) + [sys.executable, os.path.join(ROOT, "bench", f"{script}.py"),
+                               "--tiny", "--stragglers-ab", *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    number = r"\d+\.\d+"
+    ratio = rf"{number} \({number}-{number}\)"
+    rows = re.findall(rf"^(.+?)\s+({number})\s+({number})\s+({ratio})\s+({ratio})$",
+                      proc.stdout, re.M)
+    assert len(rows) == 3, proc.stdout
+    assert all(float(on) > 0 and float(off) > 0 for _, on, off, _, _ in rows), rows
+    assert re.search(r"^exchanges with rank 0 on rank 0: \d+, ", proc.stdout, re.M), proc.stdout

@@ -182,3 +182,19 @@ def test_small_collectives(np_, variant):
 @pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "mpi-ring")])
 def test_gradient_buckets(np_, variant):
     run_pytest_file(os.path.join(PARALLEL, "test_buckets.py"), np_, VARIANTS[variant])
+
+
+# The straggler record: a short window (2 s) so a phase of a few seconds fills it.
+STRAGGLERS = {"HOROLITE_STRAGGLER_REPORT_SECONDS": "2"}
+
+
+@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "mpi-ring")])
+def test_stragglers(np_, variant):
+    run_pytest_file(os.path.join(PARALLEL, "test_stragglers.py"), np_,
+                    dict(VARIANTS[variant], **STRAGGLERS))
+
+
+@pytest.mark.parametrize("layout", ["2+2", "1+3"])
+def test_pretend_hosts_stragglers(layout):
+    run_pytest_file(os.path.join(PARALLEL, "test_stragglers.py"), ranks_of(layout),
+                    dict(STRAGGLERS, HOROLITE_TEST_HOST_IDENTITY=layout))

@@ -22,6 +22,10 @@ class CacheHits:
         self.cache, self.carrier, self.demote_after = cache, carrier, demote_after
         self.waiting: Dict[int, Entry] = {}  # cache slot -> entry, in submission order
         self.waited = 0  # cache hits that came here to wait (tests read it)
+        # For the straggler record: when the newest of the last round's carried ones was
+        # submitted, and the first one's name.
+        self.newest_carried = 0.0
+        self.carried_name = ""
 
     def hold(self, slot: int, entry: Entry) -> bool:
         """Wait for `slot` to be ready everywhere; False if another entry already does."""
@@ -65,9 +69,18 @@ class CacheHits:
             ready = [slot for slot in ready if slot not in dropped]
             carried = [slot for slot in carried if slot not in dropped]
         reduced = 0
+        self.newest_carried = 0.0
         if carried:
-            reduced = self.carrier.run(self.cache.responses(carried),
-                                       list(map(self.waiting.pop, carried)), carried, timeline)
+            finished = list(map(self.waiting.pop, carried))
+            newest = 0.0  # for the straggler record (a loop: most rounds carry one)
+            for entry in finished:
+                since = entry.submitted or entry.taken
+                if since > newest:
+                    newest = since
+            self.newest_carried = newest
+            responses = self.cache.responses(carried)
+            self.carried_name = responses[0].name
+            reduced = self.carrier.run(responses, finished, carried, timeline)
             if len(carried) == len(ready):
                 ready = []
             else:

@@ -2,7 +2,8 @@
 
 Layout: [flags, fusion threshold, cycle time in us, ready slots..., invalid slots...,
 carried slots...].
-- flags: OR of every rank's flags (uncached work, shutdown, join, rank 0 must speak);
+- flags: OR of every rank's flags (uncached work, shutdown, join, rank 0 must speak,
+  rank 0 asks for the straggler record);
 - the two settings: only rank 0 writes them, so the OR hands every rank rank 0's values;
 - ready slots: each rank writes the *complement* of the response-cache slots it has
   ready, so the OR of complements is the complement of "ready on every rank";
@@ -17,12 +18,14 @@ from typing import Collection, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["ControlVector", "Decoded", "HAS_UNSENT", "SHUTDOWN", "JOINED", "COORDINATOR"]
+__all__ = ["ControlVector", "Decoded", "HAS_UNSENT", "SHUTDOWN", "JOINED", "COORDINATOR",
+           "STRAGGLERS"]
 
 HAS_UNSENT = 1
 SHUTDOWN = 2
 JOINED = 4
 COORDINATOR = 8
+STRAGGLERS = 16  # rank 0 asks for the straggler record's ages (straggler_round.py)
 
 _HEADER = 3
 _ALL_ONES = (1 << 64) - 1

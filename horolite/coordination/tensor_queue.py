@@ -7,6 +7,7 @@ arrives. A name already in flight is refused at submit time.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -34,6 +35,9 @@ class Entry:
     # submit), and when its response was known; for cache demotion and the timeline.
     taken: float = 0.0
     responded: float = 0.0
+    # When its caller submitted it (monotonic): the straggler record's measure of when this
+    # rank was ready (coordination/straggler.py); the background thread may take it later.
+    submitted: float = 0.0
     # The array is horolite's own (a packed group in the output pool): reduced in
     # place, it becomes the result.
     owned: bool = False
@@ -73,6 +77,7 @@ class TensorQueue:
                     f"tensor '{name}': a collective with this name is already in flight on this "
                     "rank; wait for it (synchronize) or use another name")
             self._inflight[name] = entry
+            entry.submitted = time.monotonic()
             self._new.append(entry)
         if ring:
             self.wake.set()

@@ -114,6 +114,11 @@ SETTINGS: Tuple[Setting, ...] = (
             "> 0: shut the job down with that report instead of waiting forever",
             "stall_shutdown_time_seconds", "--stall-check-shutdown-time-seconds",
             yaml="stall_check.shutdown_time_seconds"),
+    Setting("STRAGGLER_REPORT_SECONDS", float, 60.0,
+            "at most this often, rank 0 logs the rank that accounts for most of the waiting "
+            "over the last this many seconds (`0`: no log line); also the window of "
+            "`straggler_report()` ([Stragglers](stragglers.md))",
+            "straggler_report_seconds", "--straggler-report-seconds"),
     Setting("TIMELINE", str, "",
             "path of a Chrome-trace JSON timeline (rank r > 0 writes `name.rank<r>.json`; a "
             "process set's tensors are rows `process set <id>/<name>`); "

@@ -20,7 +20,8 @@ from mpi4py import MPI
 
 from ..core import config as config_mod
 from ..coordination.autotune import Autotuner, parse_start
-from ..coordination.control import COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, ControlVector
+from ..coordination.control import (COORDINATOR, HAS_UNSENT, JOINED, SHUTDOWN, STRAGGLERS,
+                                     ControlVector)
 from ..failure.collective_watch import CollectiveWatch
 from ..errors import ControlMessageError, HorovodInternalError, ShutdownError, StallError
 from ..failure.channel import FailureChannel, PeerFailure, launcher_marker
@@ -38,6 +39,7 @@ from ..coordination.negotiation import Coordinator
 from ..coordination.negotiation_round import negotiate
 from ..coordination.response_cache import HIT, INVALID, MISS, ResponseCache
 from ..coordination.stall import StallInspector
+from ..coordination.straggler_round import StragglerRound
 from ..coordination.tensor_queue import Entry, TensorQueue
 from ..core.timeline import SetTimeline, open_timeline
 from ..transport.mpi import MPITransport, oversubscribed
@@ -153,6 +155,10 @@ class Runtime(JobEnd):
                                      self.failures.where if leader is None else
                                      lambda job_rank: self._where_in_job(self.job_ranks.index(job_rank)))
                       if self.rank == 0 and not cfg.stall_check_disable else None)
+        # Who comes last, and how long the others wait (straggler_round.py).
+        self.stragglers = StragglerRound(self.rank, self.job_ranks, hostnames,
+                                         cfg.straggler_report_seconds,
+                                         f"{set_label}: " if set_label else "")
         self._unsent: List[Entry] = []
         self._invalid: set = set()
         self._joined = False
@@ -314,6 +320,8 @@ class Runtime(JobEnd):
             if stall_message:
                 stop = ("stall", stall_message)
                 flags |= COORDINATOR
+        if self.stragglers.due(now):
+            flags |= STRAGGLERS
 
         control = self._control
         if self.leader is not None and self.rank == 0:
@@ -326,6 +334,7 @@ class Runtime(JobEnd):
         idle = (self.queue.wake if not flags and not self.queue.has_inflight()
                 and not self.executor.quorum.active(now) else None)
         self.transport.control_or(vec, control.received, idle, urgent=bool(flags))
+        answered = time.monotonic()
         global_flags, fusion_threshold, self._cycle_seconds, ready_slots, invalid_slots, \
             carried_slots = control.decode()
         self.executor.set_fusion_threshold(fusion_threshold)
@@ -336,6 +345,7 @@ class Runtime(JobEnd):
             self.queue.after_close = self._answer_late
             error = self._shutdown_error()
             failed = self._fail_pending(error)
+            self.stragglers.finish(self.transport, self.timeline)
             first = getattr(error, "horolite_peer", None)
             if failed and first is not None:
                 launcher_marker("stopped", rank=self.rank, by=first, text=error)
@@ -374,8 +384,12 @@ class Runtime(JobEnd):
                 responses.append(resp)
                 entries.append(entry)
 
+        full = bool(responses or carried_slots) and self.stragglers.note(
+            entries, hits.newest_carried, answered, self.timeline, responses, hits.carried_name)
         if responses:
             reduced += self.executor.run(responses, entries)
+        if full or global_flags & STRAGGLERS:
+            self.stragglers.exchange(self.transport, self.timeline)
         if (responses or carried_slots) and self.autotuner is not None and \
                 self.autotuner.observe(time.monotonic(), reduced):
             self._setting = self.autotuner.setting

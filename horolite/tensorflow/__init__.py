@@ -17,7 +17,7 @@ import horolite as _core
 from horolite import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
                       gloo_enabled, is_homogeneous, is_initialized, local_rank, local_size,
                       mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
-                      shutdown, size, start_timeline, stop_timeline)
+                      shutdown, size, start_timeline, stop_timeline, straggler_report)
 from horolite.errors import (AdasumUnsupportedError, DuplicateNameError, HorovodInternalError,
                              InvalidCollectiveError, ShutdownError, StallError, TensorMismatchError)
 from horolite.core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
@@ -45,7 +45,7 @@ from .wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
-    "start_timeline", "stop_timeline", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+    "start_timeline", "stop_timeline", "straggler_report", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "grouped_reducescatter", "broadcast", "alltoall", "reducescatter",

@@ -174,3 +174,31 @@ def test_a_quorum_straggler_ends_the_job_with_exit_0(run, tmp_path, np_):
     assert r.returncode == 0, r.stderr + "\n".join(logs.values())
     assert "1 passed" in logs[np_ - 1], logs[np_ - 1]
     assert "job failed" not in r.stderr
+
+
+STRAGGLER = os.path.join(REPO, "tests", "launcher_rank", "straggler.py")
+SUMMARY = re.compile(r"horolite-run: slowest ranks: rank (\d+) \(host [^)]+\) (\d+)% of the "
+                     r"waiting, last in (\d+)% of collectives, (\d+) ms each")
+
+
+@pytest.mark.parametrize("np_, report_seconds", [(2, None), (3, None), (3, "0")])
+def test_the_summary_names_the_slow_rank_and_its_share(run, np_, report_seconds):
+    delay = 0.06
+    env = {} if report_seconds is None else {"HOROLITE_STRAGGLER_REPORT_SECONDS": report_seconds}
+    r = run("-np", np_, sys.executable, STRAGGLER, np_ - 1, delay, 30, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    # rank 0's log line: on by default (the first one comes once a rank is named), off at 0
+    line = re.search(rf"WARNING .*: rank 0: rank {np_ - 1} \(host [^)]+\) was last in", r.stderr)
+    assert bool(line) is (report_seconds is None), r.stderr
+    found = SUMMARY.search(r.stderr)
+    assert found, r.stderr
+    rank, share, last, each = map(int, found.groups())
+    assert rank == np_ - 1 and share > 80 and last > 80, found.group(0)
+    assert abs(each - 1e3 * delay) <= 0.2 * 1e3 * delay, found.group(0)
+    assert "##horolite-run##" not in r.stderr
+
+
+def test_a_balanced_job_has_no_straggler_summary(run):
+    r = run("-np", 3, sys.executable, STRAGGLER, -1, 0, 30, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "slowest ranks" not in r.stderr, r.stderr

@@ -43,6 +43,27 @@ def test_kill9_of_a_rank_restarts_from_the_last_commit(np_, start, tmp_path):
     assert commit_dirs() <= before, "the job's commits were left in /dev/shm"
 
 
+def test_the_restart_log_names_a_rank_that_is_persistently_last(start, tmp_path):
+    # Rank 2 sleeps 60 ms more than the others before every allreduce; rank 1 is killed.
+    proc = start("-np", 3, "--min-np", 3, "-H", "localhost:3", *COOLDOWN, sys.executable,
+                 TRAIN, tmp_path, "--steps", 40, "--commit-every", 5, "--sleep", 0.02,
+                 "--slow-rank", 2, "--slow-seconds", 0.06,
+                 env={"HOROLITE_STRAGGLER_REPORT_SECONDS": "2"})
+    wait_for_steps(tmp_path, 0, 30, proc)
+    kill9(tmp_path, 0, 1)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-4000:]
+    assert generations(tmp_path) == [0, 1], err[-3000:]
+    named = re.search(r"generation 0: rank (\d) \(host [^)]+\) was last in (\d+)% of "
+                      r"collectives over the last \d+ s; the others waited (\d+) ms", err)
+    assert named, err[-3000:]
+    rank, share, waited = map(int, named.groups())
+    assert rank == 2 and share > 80 and abs(waited - 60) <= 12, named.group(0)
+    assert "not evicted" in err
+    assert sorted(resumed(tmp_path, 1)) == [0, 1, 2]  # rank 2 still in the job
+    check_final(tmp_path, 3, 40)
+
+
 def test_reset_limit_caps_restarts(start, tmp_path):
     proc = start("-np", 2, "--min-np", 2, "-H", "localhost:2", *COOLDOWN, "--reset-limit", 1,
                  sys.executable, TRAIN, tmp_path, "--steps", 400, "--sleep", 0.05)

@@ -47,6 +47,9 @@ def main():
     p.add_argument("--commit-every", type=int, default=5)
     p.add_argument("--sleep", type=float, default=0.05, help="seconds per step")
     p.add_argument("--raise-at", type=int, default=-1, help="rank 1 raises at this step")
+    p.add_argument("--slow-rank", type=int, default=-1,
+                   help="this rank sleeps --slow-seconds more before each allreduce")
+    p.add_argument("--slow-seconds", type=float, default=0.0)
     p.add_argument("--raise-in-setup", action="store_true",
                    help="rank 0 raises after init(), before the elastic function runs")
     p.add_argument("--check-every", type=int, default=0,
@@ -85,6 +88,8 @@ def main():
             part = slice(rank * GLOBAL // size, (rank + 1) * GLOBAL // size)
             if rank == 1 and state.step == args.raise_at:
                 raise ValueError(f"bad batch at step {state.step}")
+            if rank == args.slow_rank:
+                time.sleep(args.slow_seconds)
             g = hvd.allreduce(gradient(state.w, x[part], y[part]), op=hvd.Average,
                               name="grad")
             state.w = state.w - LR * g

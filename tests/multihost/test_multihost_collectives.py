@@ -49,3 +49,14 @@ def test_pipelined_ring_and_hierarchical_across_hosts(bed, no_leftovers, layout)
     """The ring and (on 2x2, 3x2: an odd number of hosts) the hierarchical pipeline with
     tiny pieces and chunks."""
     run_pytest_across(bed, LAYOUTS[layout], RING_PIECES)
+
+
+STRAGGLERS = os.path.join(ROOT, "tests", "parallel", "test_stragglers.py")
+
+
+def test_stragglers_across_hosts(bed, no_leftovers):
+    """The straggler record through the control path that crosses hosts: a slow rank on
+    the second host named with its delay, a balanced job naming nobody, a process set of
+    ranks on both hosts (tests/parallel/test_stragglers.py, a 2 s window)."""
+    run_pytest_across(bed, LAYOUTS["2x2"], STRAGGLERS,
+                      env={"HOROLITE_STRAGGLER_REPORT_SECONDS": "2"})

@@ -5,6 +5,7 @@ Run by tests/test_matrix_tensorflow.py under mpirun -np 1..4. Each rank's input
 is a known function of its rank, so every result has a NumPy reference.
 """
 import os
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import horolite
 import horolite.tensorflow as hvd
 from horolite.tensorflow import native_ops
 from mpi4py import MPI
@@ -353,6 +355,21 @@ def test_basics_reexported():
     assert [int(op()) for op in ops] == expect
     assert [int(t) for t in tf.function(lambda: [op() for op in ops])()] == expect
     assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.gloo_built()
+
+
+def test_straggler_report_reexported():
+    # A horolite addition (docs/stragglers.md): the NumPy API's report, every rank named;
+    # the allreduces below reach it within about a second.
+    assert hvd.straggler_report is horolite.straggler_report
+    before = hvd.straggler_report()["rounds"]["total"]
+    for _ in range(3):
+        hvd.allreduce(tf.constant([1.0, 2.0]), name="straggler.tf")
+    deadline = time.monotonic() + 10
+    while N > 1 and hvd.straggler_report()["rounds"]["total"] < before + 3:
+        assert time.monotonic() < deadline, hvd.straggler_report()
+        time.sleep(0.05)
+    report = hvd.straggler_report()
+    assert sorted(report["ranks"]) == list(range(N)), report
 
 
 @pytest.mark.skipif(N < 2, reason="a mismatch needs two ranks")

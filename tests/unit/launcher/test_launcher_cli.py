@@ -89,6 +89,7 @@ SETTING_FLAGS = {
     "--no-stall-check": ("HOROLITE_STALL_CHECK_DISABLE", None, "1"),
     "--stall-check-warning-time-seconds": ("HOROLITE_STALL_CHECK_TIME_SECONDS", "3", "3"),
     "--stall-check-shutdown-time-seconds": ("HOROLITE_STALL_SHUTDOWN_TIME_SECONDS", "3", "3"),
+    "--straggler-report-seconds": ("HOROLITE_STRAGGLER_REPORT_SECONDS", "10", "10"),
     "--timeline-filename": ("HOROLITE_TIMELINE", "/tmp/t.json", "/tmp/t.json"),
     "--timeline-mark-cycles": ("HOROLITE_TIMELINE_MARK_CYCLES", None, "1"),
     "--log-level": ("HOROLITE_LOG_LEVEL", "warning", "WARNING"),
