@@ -28,7 +28,7 @@ fail with an error naming the rank, and the next step works.
 from __future__ import annotations
 
 import threading
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..core.handle import Handle
 from ..core.ops import ReduceOp
@@ -92,17 +92,20 @@ def plan_for(sizes: Sequence[int], process_set=global_process_set) -> List[List[
 class BucketRuns:
     """The requests of one step, run after run. A run that stopped part way (the step
     failed on this rank) is found when a request it already sent comes again (the next
-    run began): its missing requests are abandoned on every rank (abandon_async)."""
+    run began): its missing requests are abandoned on every rank (abandon_async). A
+    request of the new run under a name still being abandoned goes once that is done
+    (two requests of one name cannot be in flight on a rank)."""
 
     def __init__(self, names: Sequence[str], process_set=global_process_set):
         self.names = list(names)
         self.process_set = process_set
         self._sent: set = set()  # requests of the current run
+        self._abandoning: Dict[str, Handle] = {}
         self._lock = threading.Lock()
         self.abandoned_runs = 0
 
-    def sending(self, k: int) -> None:
-        """Request k is about to be submitted."""
+    def submit(self, k: int, submit: Callable, *args) -> Handle:
+        """submit(*args) for request k (its handle, or one that completes as it does)."""
         with self._lock:
             missing = self._end_run() if k in self._sent else []
             self._sent.add(k)
@@ -111,12 +114,31 @@ class BucketRuns:
         self._abandon(missing, "its previous run of this step failed there after "
                                f"{len(self.names) - len(missing)} of {len(self.names)} "
                                "buckets had left, and its next run began")
+        with self._lock:
+            pending = self._abandoning.get(self.names[k])
+            if pending is not None and pending.done():
+                del self._abandoning[self.names[k]]
+                pending = None
+        if pending is None:
+            return submit(*args)
+        proxy = Handle(self.names[k])
 
-    def stop(self, why: str) -> None:
-        """The current run ends here, unfinished: abandon what it did not send."""
+        def go(_):
+            try:
+                handle = submit(*args)
+            except BaseException as e:  # noqa: BLE001 - the caller's handle carries it
+                proxy._set_exception(e)
+                return
+            handle.add_done_callback(lambda h: _settle(proxy, h))
+        pending.add_done_callback(go)
+        return proxy
+
+    def stop(self, why: str) -> List[Handle]:
+        """The current run ends here, unfinished: abandon what it did not send (returns
+        those requests' handles)."""
         with self._lock:
             missing = self._end_run() if self._sent else []
-        self._abandon(missing, why)
+        return self._abandon(missing, why)
 
     def _end_run(self) -> List[str]:
         missing = [name for k, name in enumerate(self.names) if k not in self._sent]
@@ -124,9 +146,20 @@ class BucketRuns:
         self.abandoned_runs += 1
         return missing
 
-    def _abandon(self, names: List[str], why: str) -> None:
-        for name in names:
-            abandon_async(name, why, self.process_set)
+    def _abandon(self, names: List[str], why: str) -> List[Handle]:
+        handles = [abandon_async(name, why, self.process_set) for name in names]
+        with self._lock:
+            self._abandoning.update(zip(names, handles))
+        return handles
+
+
+def _settle(proxy: Handle, handle: Handle) -> None:
+    error = handle.exception()
+    if error is not None:
+        proxy._set_exception(error)
+        return
+    proxy.first_dims = handle.first_dims
+    proxy._set_result(handle.result())
 
 
 class GradientBuckets:
@@ -179,9 +212,9 @@ class GradientBuckets:
             if self._missing[k]:
                 return None
         op, pre, post, ps = self._args
-        self._runs.sending(k)
-        handle = grouped_allreduce_async([self._arrays[i] for i in self.buckets[k]], op,
-                                         self._bucket_name(k), pre, post, process_set=ps)
+        handle = self._runs.submit(k, grouped_allreduce_async,
+                                   [self._arrays[i] for i in self.buckets[k]], op,
+                                   self._bucket_name(k), pre, post, None, ps)
         self._handles[k] = handle
         return handle
 
@@ -192,8 +225,8 @@ class GradientBuckets:
         with self._lock:
             sent = [h for h in self._handles if h is not None]
             self._start()
-        self._runs.stop(why)
-        for handle in sent:  # the buckets that left: done once the other ranks send theirs
+        for handle in sent + self._runs.stop(why):  # the buckets that left: done once the
+            # other ranks send theirs; the notices: done once the coordinator answered
             try:
                 handle.result()
             except Exception:  # noqa: BLE001 - this step is given up anyway

@@ -185,8 +185,7 @@ class GradientReducer:
             runs.names.append(name)
 
             def submit_in_run(*arrays):
-                runs.sending(k)
-                return submit(*arrays)
+                return runs.submit(k, submit, *arrays)
             return submit_in_run
 
         def request(members):
