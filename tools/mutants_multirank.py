@@ -57,7 +57,8 @@ MUTANTS = [
      [(BUCKETS, 2, expr, BUCKETS_ON) for expr in ("tape_in_a_function_overlaps",
                                                   "fit_applies_the_averaged")]),
     ("a failed step's missing buckets are never abandoned", "horolite/api/buckets.py",
-     "            abandon_async(name, why, self.process_set)\n", "            pass\n",
+     "        handles = [abandon_async(name, why, self.process_set) for name in names]\n",
+     "        handles = []\n",
      [("tests/parallel/test_buckets.py", 2, "discarded", STALL_ENDS_JOB),
       (BUCKETS, 2, "failing_after", dict(BUCKETS_ON, **STALL_ENDS_JOB))]),
 ]
