@@ -216,3 +216,22 @@ def test_the_straggler_record_ab_prints_its_ratios(tmp_path, script, extra):
     assert len(rows) == 3, proc.stdout
     assert all(float(on) > 0 and float(off) > 0 for _, on, off, _, _ in rows), rows
     assert re.search(r"^exchanges with rank 0 on rank 0: \d+, ", proc.stdout, re.M), proc.stdout
+
+
+def test_overlap_step(tmp_path):
+    # Starts its own horolite-run (np 2 on this machine here; the simulated hosts as root by
+    # default): the tape, fit and the exchange alone on a tiny model, every column present.
+    pytest.importorskip("tensorflow")
+    out = tmp_path / "overlap_step.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "overlap_step.py"), "--local",
+                           "--models", "2x16:8", "--iters", "2", "--blocks", "1", "--warmup", "1",
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    row, = doc["rows"]
+    for key in ("plain_s", "forward_s", "exchange_s", "tape_s", "tape_one_group_s", "fit_s",
+                "fit_plain_s", "tape_over_max", "bound_over_max"):
+        assert key in row and row[key] > 0, key
+    assert (tmp_path / "overlap_step.md").exists()
