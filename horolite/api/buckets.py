@@ -35,7 +35,7 @@ from ..core.ops import ReduceOp
 from .collectives import abandon_async, grouped_allreduce_async
 from .process_sets import global_process_set, runtime_for
 
-__all__ = ["plan", "plan_for", "bucket_cap_bytes", "GradientBuckets", "BucketRuns",
+__all__ = ["plan", "plan_for", "bucket_cap_bytes", "cap_from_setting", "GradientBuckets", "BucketRuns",
            "FIRST_BUCKET_BYTES", "ACROSS_HOSTS_CAP_BYTES"]
 
 MiB = 1 << 20
@@ -71,17 +71,22 @@ def bucket_cap_bytes(process_set=global_process_set) -> int:
     per step (HOROLITE_GRADIENT_BUCKET_MB, `auto` by default: buckets when the set's
     ranks span hosts)."""
     rt = runtime_for(process_set, "gradient buckets")
-    raw = str(rt.config.gradient_bucket_mb or "auto").strip().lower()
-    if raw != "auto":
-        try:
-            mb = float(raw)
-        except ValueError:
-            raise ValueError(f"HOROLITE_GRADIENT_BUCKET_MB={raw!r}: expected `auto`, `0` "
-                             "(one request per step) or a size in MiB") from None
-        if mb < 0:
-            raise ValueError(f"HOROLITE_GRADIENT_BUCKET_MB={raw!r} must be >= 0")
-        return int(mb * MiB)
-    return ACROSS_HOSTS_CAP_BYTES if rt.topology.hosts > 1 else 0
+    return cap_from_setting(rt.config.gradient_bucket_mb, rt.topology.hosts)
+
+
+def cap_from_setting(value, hosts: int) -> int:
+    """HOROLITE_GRADIENT_BUCKET_MB's value as a cap in bytes, for ranks on `hosts` hosts."""
+    raw = str(value or "auto").strip().lower()
+    if raw == "auto":
+        return ACROSS_HOSTS_CAP_BYTES if hosts > 1 else 0
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"HOROLITE_GRADIENT_BUCKET_MB={raw!r}: expected `auto`, `0` "
+                         "(one request per step) or a size in MiB") from None
+    if mb < 0:
+        raise ValueError(f"HOROLITE_GRADIENT_BUCKET_MB={raw!r} must be >= 0")
+    return int(mb * MiB)
 
 
 def plan_for(sizes: Sequence[int], process_set=global_process_set) -> List[List[int]]:
@@ -102,7 +107,6 @@ class BucketRuns:
         self._sent: set = set()  # requests of the current run
         self._abandoning: Dict[str, Handle] = {}
         self._lock = threading.Lock()
-        self.abandoned_runs = 0
 
     def submit(self, k: int, submit: Callable, *args) -> Handle:
         """submit(*args) for request k (its handle, or one that completes as it does)."""
@@ -143,7 +147,6 @@ class BucketRuns:
     def _end_run(self) -> List[str]:
         missing = [name for k, name in enumerate(self.names) if k not in self._sent]
         self._sent = set()
-        self.abandoned_runs += 1
         return missing
 
     def _abandon(self, names: List[str], why: str) -> List[Handle]:

@@ -53,11 +53,6 @@ def current():
     return _global
 
 
-def current():
-    """The global runtime, or None before init() and after shutdown()."""
-    return _global
-
-
 def global_runtime():
     rt = _global
     if rt is None:

@@ -219,6 +219,22 @@ def reference_update(model, lr):
             for k, v in enumerate(model.trainable_variables)]
 
 
+def tape_step(model):
+    """A tf.function SGD step of `model` on this rank's data with DistributedGradientTape."""
+    opt = keras.optimizers.SGD(0.01)
+    x, y = (tf.constant(a) for a in data(R))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
+        return loss
+    return step
+
+
 def overlapped(events, marker) -> int:
     """In how many steps, on all ranks, the first bucket's exchange had ended before the last bucket's
     enqueue op ran, from the runtime's timeline (ENQUEUE starts when the op ran, right
@@ -270,17 +286,8 @@ def test_fit_applies_the_averaged_gradients_and_overlaps():
 def test_tape_in_a_function_overlaps():
     _overlap_needs()
     assert EXPECT, "the driver runs this case only where buckets are expected"
-    model, opt = mlp(), keras.optimizers.SGD(0.01)
-    x, y = (tf.constant(a) for a in data(R))
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape)
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables))
-        return loss
+    model = mlp()
+    step = tape_step(model)
     step()
     _, events = recorded(lambda: [step().numpy() for _ in range(5)])
     assert overlapped(events, "DistributedGradientTape") >= 1, \
@@ -346,17 +353,7 @@ def test_a_rank_failing_after_its_first_bucket_left_fails_the_step_everywhere_th
                               FailOnFlag(flag)] +
                              [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(LAYERS)] +
                              [keras.layers.Dense(4)])
-    opt = keras.optimizers.SGD(0.01)
-    x, y = (tf.constant(a) for a in data(R))
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape)
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables))
-        return loss
+    step = tape_step(model)
     step()
     sizes = [int(np.prod(v.shape)) * 4 for v in model.trainable_variables]
     assert expected_requests(tf.float32, sizes) >= 2, "the driver runs this case with buckets"

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from horolite.api.buckets import plan
+from horolite.api.buckets import ACROSS_HOSTS_CAP_BYTES, cap_from_setting, plan
 
 MiB = 1 << 20
 
@@ -37,3 +37,19 @@ def test_every_index_once_in_order_within_the_cap(seed):
         if k + 1 < len(buckets):  # full: the next tensor (backprop's next) did not fit
             nxt = buckets[k + 1][-1]
             assert sum(sizes[i] for i in b) + sizes[nxt] > limit
+
+
+def test_the_setting_auto_buckets_only_across_hosts():
+    assert cap_from_setting("auto", 1) == 0 and cap_from_setting("", 1) == 0
+    assert cap_from_setting("auto", 2) == ACROSS_HOSTS_CAP_BYTES
+    assert cap_from_setting("0", 4) == 0
+    assert cap_from_setting(" 0.5 ", 1) == MiB // 2
+
+
+@pytest.mark.parametrize("value,message", [
+    ("big", r"HOROLITE_GRADIENT_BUCKET_MB='big': expected `auto`, `0` \(one request per step\) "
+            r"or a size in MiB"),
+    ("-1", r"HOROLITE_GRADIENT_BUCKET_MB='-1' must be >= 0")])
+def test_a_bad_setting_is_named(value, message):
+    with pytest.raises(ValueError, match=message):
+        cap_from_setting(value, 2)
