@@ -46,7 +46,9 @@ def test_kill9_of_a_rank_restarts_from_the_last_commit(np_, start, tmp_path):
 def test_the_restart_log_names_a_rank_that_is_persistently_last(start, tmp_path):
     # Rank 2 sleeps 100 ms more than the others before every allreduce; rank 1 is killed.
     # (3 ranks on 2 cores: the others' own lateness takes 10-15 ms off the measured wait,
-    # which a 60 ms delay could not keep within 20%.)
+    # which a 60 ms delay could not keep within 20%.) Every fifth step's commit adds a
+    # collective where rank 2 is not held back, and a 2 s window holds about 20
+    # collectives: its share is about 85%, seen as low as 78%; chance would be 33%.
     proc = start("-np", 3, "--min-np", 3, "-H", "localhost:3", *COOLDOWN, sys.executable,
                  TRAIN, tmp_path, "--steps", 40, "--commit-every", 5, "--sleep", 0.02,
                  "--slow-rank", 2, "--slow-seconds", 0.1,
@@ -60,7 +62,7 @@ def test_the_restart_log_names_a_rank_that_is_persistently_last(start, tmp_path)
                       r"collectives over the last \d+ s; the others waited (\d+) ms", err)
     assert named, err[-3000:]
     rank, share, waited = map(int, named.groups())
-    assert rank == 2 and share > 80 and abs(waited - 100) <= 20, named.group(0)
+    assert rank == 2 and share >= 65 and abs(waited - 100) <= 20, named.group(0)
     assert "not evicted" in err
     assert sorted(resumed(tmp_path, 1)) == [0, 1, 2]  # rank 2 still in the job
     check_final(tmp_path, 3, 40)
