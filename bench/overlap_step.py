@@ -12,7 +12,9 @@ measures, in alternating blocks of one job (medians of the slowest rank's step):
 - exchange: one grouped allreduce of tensors shaped like the step's gradients;
 - tape: ``DistributedGradientTape`` in a ``tf.function``, the default bucketing;
 - tape_one_group: the same with every gradient in one request (``num_groups=1``);
-- fit / fit_plain: Keras ``fit`` with and without ``hvd.DistributedOptimizer``.
+- fit / fit_plain: Keras ``fit`` with and without ``hvd.DistributedOptimizer``;
+- tape_inline / fit_inline: tape and fit with the exchange lane off (where the
+  ranks span hosts: agreed allreduces then run on the background thread).
 
 and prints each step over max(plain, exchange): 1.0 is perfect overlap, about
 1 + min/max when nothing overlaps.
@@ -54,6 +56,7 @@ def worker(args) -> None:
     sys.path.insert(0, HERE)
     import horolite.tensorflow as hvd
     import horolite.tensorflow.keras as hvd_keras
+    from horolite.runtime import registry
     from common import interleaved_median_times
 
     hvd.init()
@@ -97,15 +100,30 @@ def worker(args) -> None:
         def forward():
             return loss_fn(y, model(x, training=True))
 
+        rt = registry.current()
+
+        def inline(fn):
+            """fn with the exchange lane off: agreed allreduces on the background thread."""
+            def run():
+                rt.pipelined = False
+                try:
+                    return fn()
+                finally:
+                    rt.pipelined = True
+            return run
+
+        tape_fn = step_fn(lambda t: hvd.DistributedGradientTape(t))
         fns = {"plain": step_fn(None),
                "forward": forward,
                "exchange": exchange,
-               "tape": step_fn(lambda t: hvd.DistributedGradientTape(t)),
+               "tape": tape_fn,
                "tape_one_group": step_fn(lambda t: hvd.DistributedGradientTape(t, num_groups=1))}
+        if rt.lane is not None:
+            fns["tape_inline"] = inline(tape_fn)
         times = interleaved_median_times({k: (lambda f=f: f().numpy()) for k, f in fns.items()},
                                          args.iters, blocks=args.blocks, warmup=args.warmup,
                                          comm=comm)
-        times.update(_fit_times(keras, hvd_keras, build, x, y, args, comm, np))
+        times.update(_fit_times(keras, hvd_keras, build, x, y, args, comm, np, rt))
         nbytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
         rows.append({"model": spec, "gradients": len(model.trainable_variables),
                      "bytes": nbytes, **{f"{k}_s": v for k, v in times.items()}})
@@ -114,9 +132,9 @@ def worker(args) -> None:
     hvd.shutdown()
 
 
-def _fit_times(keras, hvd_keras, build, x, y, args, comm, np) -> dict:
-    """Median of the slowest rank's fit step (time between batch ends), plain and wrapped,
-    in alternating blocks."""
+def _fit_times(keras, hvd_keras, build, x, y, args, comm, np, rt) -> dict:
+    """Median of the slowest rank's fit step (time between batch ends), plain and wrapped
+    (and wrapped with the exchange lane off, where there is one), in alternating blocks."""
     class Timer(keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
@@ -126,7 +144,10 @@ def _fit_times(keras, hvd_keras, build, x, y, args, comm, np) -> dict:
             self.ends.append(time.perf_counter())
 
     models = {}
-    for name, wrap in (("fit_plain", None), ("fit", hvd_keras.DistributedOptimizer)):
+    kinds = [("fit_plain", None), ("fit", hvd_keras.DistributedOptimizer)]
+    if rt.lane is not None:
+        kinds.append(("fit_inline", hvd_keras.DistributedOptimizer))
+    for name, wrap in kinds:
         model = build()
         opt = keras.optimizers.SGD(1e-4)
         model.compile(optimizer=opt if wrap is None else wrap(opt),
@@ -140,8 +161,10 @@ def _fit_times(keras, hvd_keras, build, x, y, args, comm, np) -> dict:
         for name, model in models.items():
             timer = Timer()
             comm.Barrier()
+            rt.pipelined = name != "fit_inline"
             model.fit(data, epochs=1, steps_per_epoch=per + args.warmup + 1, verbose=0,
                       callbacks=[timer])
+            rt.pipelined = True
             steps = np.diff(np.array(timer.ends[args.warmup:]))
             slowest = np.empty_like(steps)
             comm.Allreduce(steps, slowest, op=_mpi_max())
@@ -187,6 +210,17 @@ def report(doc: dict, args) -> str:
                                   row["tape_over_max"], 1.15, "x", False, limit))
             targets.append(Target(f"{row['model']}: fit / max(fit plain, exchange)",
                                   row["fit_over_max"], 1.15, "x", False, limit))
+    lanes = [row for row in doc["rows"] if "tape_inline_s" in row]
+    if lanes:  # the exchange lane on and off, in the same job
+        lines += ["", "| model | tape ms | tape, lane off ms | fit ms | fit, lane off ms | "
+                  "tape: on / off | fit: on / off |", "|---|---|---|---|---|---|---|"]
+        for row in lanes:
+            row["lane_tape_on_over_off"] = row["tape_s"] / row["tape_inline_s"]
+            row["lane_fit_on_over_off"] = row["fit_s"] / row["fit_inline_s"]
+            lines.append(f"| {row['model']} | {1e3 * row['tape_s']:.0f} | "
+                         f"{1e3 * row['tape_inline_s']:.0f} | {1e3 * row['fit_s']:.0f} | "
+                         f"{1e3 * row['fit_inline_s']:.0f} | "
+                         f"{row['lane_tape_on_over_off']:.2f} | {row['lane_fit_on_over_off']:.2f} |")
     lines.append("")
     if targets:
         lines += ["| target | value | bound | met | what limits it |", "|---|---|---|---|---|"]

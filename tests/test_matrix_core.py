@@ -16,23 +16,61 @@ VARIANTS = {
     # A tiny fusion buffer and cache: the big tensors exceed it, evictions happen.
     "smallfusion-smallcache": {"HOROLITE_FUSION_THRESHOLD": "65536", "HOROLITE_CACHE_CAPACITY": "7",
                                "HOROVOD_CYCLE_TIME": "2"},
+    # Agreed allreduces on the exchange lane's thread (on by default only across hosts).
+    "lane": {"HOROLITE_EXCHANGE_PIPELINE": "1"},
+    "lane-mpi-ring": {"HOROLITE_EXCHANGE_PIPELINE": "1", "HOROLITE_SHARED_MEMORY": "0"},
 }
 
 
 @pytest.mark.parametrize("np_", RANK_COUNTS)
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {"lane"}))
 def test_collectives(np_, variant):
     run_pytest_file(os.path.join(PARALLEL, "test_collectives.py"), np_, VARIANTS[variant])
 
 
-@pytest.mark.parametrize("np_", RANK_COUNTS)
-def test_errors(np_):
-    run_pytest_file(os.path.join(PARALLEL, "test_errors.py"), np_)
+@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "lane-mpi-ring")])
+def test_errors(np_, variant):
+    run_pytest_file(os.path.join(PARALLEL, "test_errors.py"), np_, VARIANTS[variant])
 
 
-@pytest.mark.parametrize("np_", RANK_COUNTS)
-def test_lifecycle(np_):
-    run_pytest_file(os.path.join(PARALLEL, "test_lifecycle.py"), np_)
+@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "lane-mpi-ring")])
+def test_lifecycle(np_, variant):
+    run_pytest_file(os.path.join(PARALLEL, "test_lifecycle.py"), np_, VARIANTS[variant])
+
+
+@pytest.mark.parametrize("np_,variant", [(n, "lane") for n in RANK_COUNTS]
+                         + [(3, "lane-mpi-ring")] + [(n, "pretend-hosts") for n in (2, 4)])
+def test_exchange_lane(np_, variant):
+    env = ({"HOROLITE_TEST_HOST_IDENTITY": "1+1" if np_ == 2 else "2+2"}
+           if variant == "pretend-hosts" else VARIANTS[variant])  # there `auto` turns it on
+    run_pytest_file(os.path.join(PARALLEL, "test_exchange_lane.py"), np_, env)
+
+
+LANE_SCRIPT = """
+import os, sys
+import horolite as hvd
+from horolite.runtime import registry
+hvd.init()
+with open(os.path.join(sys.argv[1], "lane.%d" % hvd.rank()), "w") as out:
+    out.write(str(registry.current().lane is not None))
+"""
+
+
+@pytest.mark.parametrize("env,on", [({}, False), ({"HOROLITE_TEST_HOST_IDENTITY": "1+1"}, True),
+                                    ({"HOROLITE_TEST_HOST_IDENTITY": "1+1",
+                                      "HOROVOD_EXCHANGE_PIPELINE": "0"}, False),
+                                    ({"HOROLITE_EXCHANGE_PIPELINE": "1"}, True),
+                                    ({"HOROLITE_EXCHANGE_PIPELINE": "1",
+                                      "HOROLITE_MPI_THREADS_DISABLE": "1"}, False)])
+def test_the_lane_is_on_across_hosts_by_default(env, on, tmp_path):
+    import subprocess
+    import sys
+    from mpirun import mpirun_command
+    proc = subprocess.run(mpirun_command(2) + [sys.executable, "-c", LANE_SCRIPT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=dict(os.environ, **env))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(tmp_path / f"lane.{r}").read_text() for r in range(2)] == [str(on)] * 2
 
 
 EXIT_SCRIPT = """

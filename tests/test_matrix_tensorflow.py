@@ -39,8 +39,10 @@ BUCKET_RUNS = {
 def test_gradient_buckets(run):
     np_, env, expect = BUCKET_RUNS[run]
     args = [] if expect else ["-k", "not test_tape_in_a_function_overlaps and not failing_after"]
+    lane = "HOROLITE_TEST_HOST_IDENTITY" in env  # `auto`: the exchange lane across hosts
     run_pytest_file(BUCKETS, np_, env=dict(QUIET, HOROLITE_TEST_EXPECT_BUCKETS=str(int(expect)),
-                                           **env), timeout=300, pytest_args=args)
+                                           HOROLITE_TEST_EXPECT_LANE=str(int(lane)), **env),
+                    timeout=300, pytest_args=args)
 
 
 # What the Python wait ops must do as the native op does: every collective in graphs and

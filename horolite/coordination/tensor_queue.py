@@ -86,6 +86,9 @@ class TensorQueue:
     def has_inflight(self) -> bool:
         return bool(self._inflight)
 
+    def inflight_count(self) -> int:
+        return len(self._inflight)
+
     def has_new(self) -> bool:
         """Whether anything was submitted since the last take_new."""
         return bool(self._new) or (self.intake is not None and self.intake.pending())

@@ -179,6 +179,12 @@ SETTINGS: Tuple[Setting, ...] = (
             "step on one host; `0` always one request per step; `N` buckets of up to N MiB "
             "(see TensorFlow and Keras)",
             "gradient_bucket_mb"),
+    Setting("EXCHANGE_PIPELINE", str, "auto",
+            "where agreed allreduces run: `auto` on a thread of their own when the ranks span "
+            "hosts, so the next bucket is agreed while one is on the network and follows it "
+            "at once; on the background thread on one host; `1` always a thread of their "
+            "own, `0` never (needs MPI's THREAD_MULTIPLE)",
+            "exchange_pipeline"),
     Setting("TF_NATIVE_OPS", bool, True,
             "`horolite.tensorflow`: in graphs, hand tensors to the runtime and wait for results "
             "in two small native TensorFlow ops, built on first use (no Python on TensorFlow's "

@@ -38,6 +38,9 @@ class CollectiveWatch:
         self.enabled = enabled
         # What the background thread is running: set per batch by the executor.
         self.what = "this cycle's control message"
+        # Called first in every look: raises what another thread of this rank met (the
+        # exchange lane's error, execution/lane.py), so this wait ends with it.
+        self.also = None
         self._next_warning = warn_after
         self._last_waited = 0.0
 
@@ -49,6 +52,8 @@ class CollectiveWatch:
 
     def __call__(self, waited: float, peers=None) -> None:
         """Called from inside a wait that has lasted `waited` seconds on `peers`."""
+        if self.also is not None:
+            self.also()
         if self.heartbeat is not None and self.heartbeat.links is not None:
             self.heartbeat.links.check()  # raises LinkLost before MPI progresses again
         notice = self.channel.check()

@@ -17,6 +17,7 @@ them outright), the rank stopped says which peer went first.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Dict, Iterable, List, Optional
 
@@ -37,7 +38,8 @@ BYE_SECONDS = 2.0
 
 
 class Heartbeat:
-    """Sends and hears the beats (background thread only); `silent()` names who is quiet."""
+    """Sends and hears the beats (the background thread, and the exchange lane's waits);
+    `silent()` names who is quiet."""
 
     def __init__(self, comm: MPI.Comm, hostnames: List[str], links=None):
         """links: a links.LinkWatch, checked before the beats go out (it raises LinkLost)."""
@@ -56,15 +58,21 @@ class Heartbeat:
         self._sends: List[Optional[MPI.Request]] = [None] * len(self.peers)
         self._next_look = now
         self._next_send = now
+        self._lock = threading.RLock()
 
     def _post(self, i: int) -> MPI.Request:
         return self.comm.Irecv(self._inbox[i:i + 1], source=self.peers[i], tag=_TAG)
 
     def tick(self, now: Optional[float] = None) -> None:
-        """Cheap unless a look is due (every _LOOK_EVERY s): hear, and beat every INTERVAL."""
+        """Cheap unless a look is due (every _LOOK_EVERY s): hear, and beat every INTERVAL.
+        (The exchange lane's waits tick too, from their thread: one at a time.)"""
         now = time.monotonic() if now is None else now
         if now < self._next_look or not self.peers:
             return
+        with self._lock:
+            self._tick(now)
+
+    def _tick(self, now: float) -> None:
         self._next_look = now + _LOOK_EVERY
         if self.links is not None:
             self.links.check()  # before MPI's progress, as every send is (links.py)
@@ -77,6 +85,10 @@ class Heartbeat:
                     self._sends[i] = self.comm.Isend(self._byte, dest=q, tag=_TAG)
 
     def _hear(self, now: float) -> None:
+        with self._lock:
+            self._hear_locked(now)
+
+    def _hear_locked(self, now: float) -> None:
         while True:
             done = MPI.Request.Testsome(self._recvs)
             if not done:

@@ -34,6 +34,7 @@ from .topology import Topology
 from ..coordination.cache_hits import CacheHits
 from ..execution.carried import Carrier
 from ..execution.executor import Executor
+from ..execution.lane import ExchangeLane, lane_wanted, pipelines
 from ..core.messages import JOIN_NAME, Kind
 from ..coordination.negotiation import Coordinator
 from ..coordination.negotiation_round import negotiate
@@ -140,6 +141,22 @@ class Runtime(JobEnd):
             from ..execution.device_executor import DeviceExecutor
             self.executor.device = DeviceExecutor(self.nccl, cfg.fusion_threshold)
         self.pacing = Pacing(self.queue, self.transport.board, self.executor.quorum)
+        # Across hosts agreed allreduces run on a thread of their own (execution/lane.py).
+        # `pipelined` False sends them back to this thread (the lane stays): a benchmark
+        # compares both in one job. Ranks may differ in it: the calls' order is the same.
+        self.lane = None
+        self.pipelined = True
+        if self.size > 1 and lane_wanted(cfg.exchange_pipeline, self.topology.hosts,
+                                         MPI.Query_thread() == MPI.THREAD_MULTIPLE):
+            self.lane = ExchangeLane(self.executor, self.queue.wake,
+                                     f"horolite-exchange-{self.rank}"
+                                     + (f"-{set_label}" if set_label else ""))
+            control_watch = CollectiveWatch(self.failures, cfg.stall_check_time_seconds,
+                                            cfg.stall_shutdown_time_seconds,
+                                            not cfg.stall_check_disable, self.heartbeat)
+            control_watch.also = self.lane.check
+            self.transport.split_control(control_watch)
+            self.pacing.waiting = self._waiting
         # Small cached allreduces ride in the board's control round (execution/carried.py).
         self.carrier = (Carrier(self.transport.board, self.executor)
                         if self.transport.board is not None and self.cache.capacity else None)
@@ -206,6 +223,10 @@ class Runtime(JobEnd):
         entry.handle.helper = self._helper
         return self.queue.submit(entry, False)
 
+    def _waiting(self) -> bool:
+        """With an exchange lane: whether work beyond the lane's is in flight."""
+        return self.queue.has_inflight() and self.lane.leaves_waiting(self.queue)
+
     def _wanted(self, peers: bool = True) -> bool:
         """Whether a cycle is needed now: work here, shutdown, or (`peers`) a peer
         waiting in a round this rank has not entered."""
@@ -255,6 +276,9 @@ class Runtime(JobEnd):
                 alive = self.turns.background()  # flushes the timeline: one write per cycle
                 if not alive:
                     # Every rank stops at the same agreed cycle, so collective cleanup is safe.
+                    if self.lane is not None:
+                        self.lane.drain()
+                        self.lane.close()
                     self.transport.close()
                     if self.doomed is None:
                         if self.heartbeat is not None:
@@ -274,10 +298,14 @@ class Runtime(JobEnd):
             _log.exception("rank %d: background thread failed", self.rank)
             self._end_for_failure(None, HorovodInternalError(
                 f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
+        if self.lane is not None:
+            self.lane.close()
 
     def _cycle(self) -> bool:
         """One negotiate-fuse-execute round; False when the runtime must stop."""
         now = time.monotonic()
+        if self.lane is not None:
+            self.lane.check()  # what the exchange lane met ends the job from here
         if self.links is not None:
             self.links.check()  # before anything makes MPI progress (failure/links.py)
         notice = self.failures.check(now) or self.failures.sent
@@ -331,7 +359,7 @@ class Runtime(JobEnd):
         self._invalid.clear()
         # Nothing of this rank's rides on an idle cycle's exchange (which may wait for a
         # peer's next cycle for a whole step): it is polled slowly until work arrives.
-        idle = (self.queue.wake if not flags and not self.queue.has_inflight()
+        idle = (self.queue.wake if not flags and not self.pacing.waiting()
                 and not self.executor.quorum.active(now) else None)
         self.transport.control_or(vec, control.received, idle, urgent=bool(flags))
         answered = time.monotonic()
@@ -340,6 +368,8 @@ class Runtime(JobEnd):
         self.executor.set_fusion_threshold(fusion_threshold)
 
         if global_flags & SHUTDOWN:
+            if self.lane is not None:
+                self.lane.drain()  # what every rank agreed before runs to its end
             # Quorum results decided before the others left still answer this rank's
             # submissions, now and later (a straggler finishing its steps).
             self.queue.after_close = self._answer_late
@@ -386,8 +416,16 @@ class Runtime(JobEnd):
 
         full = bool(responses or carried_slots) and self.stragglers.note(
             entries, hits.newest_carried, answered, self.timeline, responses, hits.carried_name)
+        lane = self.lane
         if responses:
-            reduced += self.executor.run(responses, entries)
+            if lane is not None and self.pipelined and pipelines(responses):
+                lane.submit(responses, entries)  # this rank goes on to the next cycle
+            else:
+                if lane is not None:
+                    lane.drain()  # everything runs in the agreed order
+                reduced += self.executor.run(responses, entries)
+        if lane is not None:
+            reduced += lane.take_reduced()
         if full or global_flags & STRAGGLERS:
             self.stragglers.exchange(self.transport, self.timeline)
         if (responses or carried_slots) and self.autotuner is not None and \

@@ -19,12 +19,15 @@ IDLE_MAX_SECONDS = 0.1
 class Pacing:
     def __init__(self, queue, board, quorum):
         self.queue, self.board, self.quorum = queue, board, quorum
+        # Whether this rank has work a cycle must move on (the runtime's: work in the
+        # exchange lane alone needs no cycles, execution/lane.py).
+        self.waiting = queue.has_inflight
         self._idle_cycles = 0
 
     def rest(self, start: float, cycle_seconds: float) -> None:
         """Wait after the cycle that began at `start` until the next one is due, or
         until work arrives."""
-        inflight = self.queue.has_inflight()
+        inflight = self.waiting()
         if self.board is not None:
             self.board.set_busy(inflight)
         if inflight:
@@ -42,7 +45,8 @@ class Pacing:
         # allreduces run: they need this rank without its work. Through the board a
         # peer that needs this rank rings it: at once.)
         self._idle_cycles += 1
-        quick = self._idle_cycles <= 2 and self.board is None
+        # (Work in the exchange lane alone: no quick cycles either, nobody needs them.)
+        quick = self._idle_cycles <= 2 and self.board is None and not self.queue.has_inflight()
         pause = (cycle_seconds if quick or self.quorum.active(start)
                  else max(cycle_seconds, IDLE_MAX_SECONDS))
         self.queue.wake.wait(max(pause - (time.monotonic() - start), 0))

@@ -1,6 +1,8 @@
 """The MPI transport: point-to-point links for the ring, plus the control plane.
 
-Only the background thread calls these. When ranks outnumber cores, a rank
+Only the background thread calls these, or, where there is an exchange lane
+(execution/lane.py), the lane's thread the data plane and the background thread
+the control plane, each with its own waiter. When ranks outnumber cores, a rank
 that blocks inside MPI spins and steals the core its neighbour needs, so in
 that case waits poll and yield instead of blocking.
 """
@@ -224,6 +226,9 @@ class MPITransport:
         share hosts across several hosts, or None (MPI's collectives over every rank).
         watch, channel, links: see Waiter."""
         self.waiter = Waiter(polite, watch, channel, links)
+        # The control plane's waits: the same waiter, unless the data plane runs on a
+        # thread of its own (split_control).
+        self.control_waiter = self.waiter
         self.shared_memory = shared_memory
         self.board = board
         self.host_control = host_control
@@ -249,43 +254,55 @@ class MPITransport:
         if self.waiter.watch is not None:
             self.waiter.watch.what = what
 
+    def split_control(self, watch) -> None:
+        """Give the control plane a waiter (and `watch`) of its own, for a data plane
+        that runs on another thread (execution/lane.py). Both poll: two threads never
+        block on the failure channel's one posted receive."""
+        data = self.waiter
+        data.polite = True
+        self.control_waiter = Waiter(True, watch, data.channel, data.links)
+        if self.host_control is not None:
+            self.host_control.waiter = self.control_waiter
+
     # ---- control plane (small, host-side) ----
     def control_or(self, vector: np.ndarray, out: np.ndarray, idle=None,
                    urgent: bool = False) -> None:
         """idle: see Waiter.wait (given when this rank has nothing in flight). urgent: the
         vector carries flags every rank must act on (the board wakes them for it)."""
-        self.doing(CONTROL_LABEL)
+        waiter = self.control_waiter
+        if waiter.watch is not None:
+            waiter.watch.what = CONTROL_LABEL
         if self.board is not None:
-            self.board.exchange_or(vector, out, self.waiter.watch, idle, urgent)
+            self.board.exchange_or(vector, out, waiter.watch, idle, urgent)
             return
         if self.host_control is not None:
             self.host_control.exchange_or(vector, out, idle, urgent)
             return
-        self.waiter.guard()
+        waiter.guard()
         req = self.control_comm.Iallreduce(vector, out, op=MPI.BOR)
-        self.waiter.wait(req, idle=idle)
+        waiter.wait(req, idle=idle)
 
     def gather_bytes(self, data: bytes, root: int = 0):
         """Every rank's `data` at `root` (a list in rank order; None elsewhere)."""
         if self.board is not None:
-            return self.board.gather_bytes(data, root, self.waiter.watch)
+            return self.board.gather_bytes(data, root, self.control_waiter.watch)
         if self.host_control is not None and root == 0:
             return self.host_control.gather_bytes(data)
-        return gather_bytes(self.control_comm, self.waiter, data, root)
+        return gather_bytes(self.control_comm, self.control_waiter, data, root)
 
     def bcast_bytes(self, data, root: int = 0) -> bytes:
         """`data` from `root` (ignored elsewhere) on every rank."""
         if self.board is not None:
-            return self.board.bcast_bytes(data, root, self.waiter.watch)
+            return self.board.bcast_bytes(data, root, self.control_waiter.watch)
         if self.host_control is not None and root == 0:
             return self.host_control.bcast_bytes(data)
-        return bcast_bytes(self.control_comm, self.waiter, data, root)
+        return bcast_bytes(self.control_comm, self.control_waiter, data, root)
 
     def allgather_ints(self, values: np.ndarray) -> np.ndarray:
         """Every rank's int64 `values` (same length everywhere), one row per rank."""
         out = np.empty((self.size, values.size), dtype=np.int64)
-        self.waiter.guard()
-        self.waiter.wait(self.control_comm.Iallgather(np.ascontiguousarray(values, np.int64),
+        self.control_waiter.guard()
+        self.control_waiter.wait(self.control_comm.Iallgather(np.ascontiguousarray(values, np.int64),
                                                       out))
         return out
 

@@ -30,4 +30,5 @@ BUCKETS = os.path.join(ROOT, "tests", "tensorflow", "test_tf_buckets.py")
 def test_gradient_buckets_across_hosts(bed, no_leftovers, hosts):
     # Ranks on two hosts: buckets by default, each against NumPy, the overlap from the timeline.
     run_pytest_across(bed, hosts, BUCKETS, timeout=400,
-                      env={"HOROLITE_TEST_EXPECT_BUCKETS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"})
+                      env={"HOROLITE_TEST_EXPECT_BUCKETS": "1", "HOROLITE_TEST_EXPECT_LANE": "1",
+                           "TF_CPP_MIN_LOG_LEVEL": "3"})

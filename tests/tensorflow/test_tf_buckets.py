@@ -309,7 +309,10 @@ def test_legacy_optimizer_in_a_tf1_graph_updates_like_numpy_and_overlaps():
         loss = tf.reduce_mean(tf.square(out - y))
         opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.05))
         train = opt.minimize(loss, var_list=variables)
-        with tf.compat.v1.Session() as sess:
+        # One inter-op thread, as in the tf.function cases (a session's default is a pool).
+        config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=1,
+                                          intra_op_parallelism_threads=1)
+        with tf.compat.v1.Session(config=config) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             _, events = recorded(lambda: sess.run(train))
             got = sess.run(variables)
@@ -375,3 +378,14 @@ def test_a_rank_failing_after_its_first_bucket_left_fails_the_step_everywhere_th
     every = COMM.allgather(w)
     for other in every:
         np.testing.assert_array_equal(other, every[0])
+
+
+def test_zz_the_buckets_ran_on_the_exchange_lane_where_the_driver_expects_it():
+    # (last in the file: after the steps above) Across (pretend) hosts the agreed buckets
+    # run on the exchange lane's thread by default; on one host on the background thread.
+    from horolite.runtime import registry
+    rt = registry.current()
+    expect = os.environ.get("HOROLITE_TEST_EXPECT_LANE", "0") == "1" and N > 1
+    assert (rt.lane is not None) == expect, f"lane {rt.lane}, driver expects one: {expect}"
+    if expect:
+        assert rt.lane.lists > 0
