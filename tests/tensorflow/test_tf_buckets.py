@@ -121,6 +121,47 @@ def test_tape_buckets_average_like_numpy_and_like_one_group(dtype):
                                        atol=tolerance(dtype))
 
 
+def linear_loss(variables, xs):
+    """sum_k sum(V_k * X_k): its gradient with respect to V_k is X_k."""
+    return tf.add_n([tf.reduce_sum(tf.cast(v * x, tf.float32)) for v, x in zip(variables, xs)])
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+def test_keras_optimizer_buckets_every_float_dtype(dtype):
+    # SGD(1.0) from zeros: the variables end at minus the average of every rank's X_k.
+    variables = [tf.Variable(tf.zeros(s, dtype)) for s in SHAPES]
+    xs = [tf.constant(x, dtype) for x in inputs(R, dtype, 3)]
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = linear_loss(variables, xs)
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+    _, events = recorded(step)
+    for v, want in zip(variables, mean_over(range(N), dtype, 3)):
+        np.testing.assert_allclose(v.numpy().astype(np.float64), -want, rtol=tolerance(dtype),
+                                   atol=tolerance(dtype))
+    assert len(requests(events, "DistributedSGD")) == expected_requests(dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+def test_legacy_optimizer_buckets_every_float_dtype(dtype):
+    with tf.Graph().as_default():
+        variables = [tf.compat.v1.Variable(tf.zeros(s, dtype)) for s in SHAPES]
+        xs = [tf.constant(x, dtype) for x in inputs(R, dtype, 4)]
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0))
+        train = opt.minimize(linear_loss(variables, xs), var_list=variables)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            _, events = recorded(lambda: sess.run(train))
+            got = sess.run(variables)
+    for g, want in zip(got, mean_over(range(N), dtype, 4)):
+        np.testing.assert_allclose(np.asarray(g).astype(np.float64), -want,
+                                   rtol=tolerance(dtype), atol=tolerance(dtype))
+    assert len(requests(events, "DistributedGradientDescent")) == expected_requests(dtype)
+
+
 def test_explicit_num_groups_keeps_horovods_meaning():
     step = tape_gradients(tf.float32, num_groups=3)
     got, events = recorded(lambda: [g.numpy() for g in step()])
