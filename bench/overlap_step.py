@@ -205,7 +205,7 @@ def report(doc: dict, args) -> str:
             limit = (f"no bucket leaves before backprop starts: the step is at least "
                      f"max(plain, forward + exchange) = {row['bound_over_max']:.2f} x; the "
                      "rest: the exchange's CPU work slows backprop on the shared cores, and "
-                     "each bucket waits for the slower rank and a control round")
+                     "each bucket waits for the slower rank's copy")
             targets.append(Target(f"{row['model']}: tape / max(plain, exchange)",
                                   row["tape_over_max"], 1.15, "x", False, limit))
             targets.append(Target(f"{row['model']}: fit / max(fit plain, exchange)",
