@@ -72,9 +72,13 @@ def logged(out, rank, size, text):
                for line in out.splitlines())
 
 
-@pytest.mark.parametrize("np_", [2, 3, 4])
-def test_an_exception_on_one_rank_is_named_on_every_rank(np_, tmp_path):
-    proc = run_job("raise", np_, tmp_path)
+# lane: agreed allreduces on the exchange lane's thread (execution/lane.py), as across hosts.
+LANE = {"HOROLITE_EXCHANGE_PIPELINE": "1"}
+
+
+@pytest.mark.parametrize("np_,lane", [(2, False), (3, False), (4, False), (3, True)])
+def test_an_exception_on_one_rank_is_named_on_every_rank(np_, lane, tmp_path):
+    proc = run_job("raise", np_, tmp_path, env=LANE if lane else None)
     bad = np_ - 1
     cause = (f"rank {bad} (host {HOST}) failed: RuntimeError: bad batch "
              f"(scenario.py:{raise_line()})")
@@ -121,12 +125,14 @@ def test_stall_shutdown_ends_the_job_at_its_time(tmp_path):
     assert proc.seconds < 100  # the stall shutdown ended it: the sleeper alone takes 120 s
 
 
-@pytest.mark.parametrize("case,np_,shared_memory", [("sigstop-inside", 2, "1"),
-                                                   ("sigstop-inside", 3, "1"),
-                                                   ("sigstop-inside", 3, "0"),
-                                                   ("sigstop", 3, "0"),
-                                                   ("sigstop", 3, "1")])
-def test_a_frozen_rank_is_named_on_every_rank_and_ends_the_job(case, np_, shared_memory,
+@pytest.mark.parametrize("case,np_,shared_memory,lane", [("sigstop-inside", 2, "1", False),
+                                                        ("sigstop-inside", 3, "1", False),
+                                                        ("sigstop-inside", 3, "0", False),
+                                                        ("sigstop-inside", 3, "0", True),
+                                                        ("sigstop", 3, "0", False),
+                                                        ("sigstop", 3, "0", True),
+                                                        ("sigstop", 3, "1", False)])
+def test_a_frozen_rank_is_named_on_every_rank_and_ends_the_job(case, np_, shared_memory, lane,
                                                                tmp_path):
     # sigstop-inside: frozen inside the data phase of a 32 MB allreduce (its peers wait for
     # its data); sigstop: frozen with a tensor its peers never submit (they wait in the
@@ -134,9 +140,11 @@ def test_a_frozen_rank_is_named_on_every_rank_and_ends_the_job(case, np_, shared
     # the neighbour that waits for it too; what they were waiting in says which case it was.
     # With shared memory the control message is a round of the board (control_board.py),
     # whose futex waits come back to hear heartbeats and to time the stall.
+    # (lane: the data phase waits on the lane's thread, the control message on the
+    # background thread, each timed by its own watch)
     proc = run_job(case, np_, tmp_path, timeout=180, env={
         "HOROLITE_SHARED_MEMORY": shared_memory, "HOROLITE_STALL_CHECK_TIME_SECONDS": "1",
-        "HOROLITE_STALL_SHUTDOWN_TIME_SECONDS": "3"})
+        "HOROLITE_STALL_SHUTDOWN_TIME_SECONDS": "3", **(LANE if lane else {})})
     if case == "sigstop-inside":
         assert "stopping in the data phase of tensor 'big'" in notes(tmp_path, np_ - 1)
         waiting_in = "tensor 'big'"

@@ -72,6 +72,7 @@ class ExchangeLane:
         self._busy = False
         self._closed = False
         self.error: Optional[BaseException] = None
+        self._raised = False
         self.holding = 0  # entries in the lists not yet run: no cycle need wait on them
         self.reduced = 0  # bytes allreduced since the background thread last took them
         self.lists = 0  # agreed lists the lane ran (tests read it)
@@ -101,8 +102,8 @@ class ExchangeLane:
     def check(self) -> None:
         """Raise the lane's exception, once, in the calling (background) thread."""
         error = self.error
-        if error is not None and not getattr(error, "_horolite_lane_raised", False):
-            error._horolite_lane_raised = True
+        if error is not None and not self._raised:
+            self._raised = True
             raise error
 
     @property
