@@ -126,12 +126,11 @@ def linear_loss(variables, xs):
     return tf.add_n([tf.reduce_sum(tf.cast(v * x, tf.float32)) for v, x in zip(variables, xs)])
 
 
-@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
-def test_keras_optimizer_buckets_every_float_dtype(dtype):
-    # SGD(1.0) from zeros: the variables end at minus the average of every rank's X_k.
+def keras_optimizer_step(dtype, seed, **kwargs):
+    """(the variables after one DistributedOptimizer SGD(1.0) step from zeros, the timeline)."""
     variables = [tf.Variable(tf.zeros(s, dtype)) for s in SHAPES]
-    xs = [tf.constant(x, dtype) for x in inputs(R, dtype, 3)]
-    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    xs = [tf.constant(x, dtype) for x in inputs(R, dtype, seed)]
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), **kwargs)
 
     @tf.function
     def step():
@@ -139,27 +138,39 @@ def test_keras_optimizer_buckets_every_float_dtype(dtype):
             loss = linear_loss(variables, xs)
         opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
     _, events = recorded(step)
-    for v, want in zip(variables, mean_over(range(N), dtype, 3)):
-        np.testing.assert_allclose(v.numpy().astype(np.float64), -want, rtol=tolerance(dtype),
-                                   atol=tolerance(dtype))
-    assert len(requests(events, "DistributedSGD")) == expected_requests(dtype)
+    return [v.numpy().astype(np.float64) for v in variables], events
 
 
-@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
-def test_legacy_optimizer_buckets_every_float_dtype(dtype):
+def legacy_optimizer_step(dtype, seed, **kwargs):
+    """The same with the legacy optimizer in a TF1 graph."""
     with tf.Graph().as_default():
         variables = [tf.compat.v1.Variable(tf.zeros(s, dtype)) for s in SHAPES]
-        xs = [tf.constant(x, dtype) for x in inputs(R, dtype, 4)]
-        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0))
+        xs = [tf.constant(x, dtype) for x in inputs(R, dtype, seed)]
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0), **kwargs)
         train = opt.minimize(linear_loss(variables, xs), var_list=variables)
         with tf.compat.v1.Session() as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             _, events = recorded(lambda: sess.run(train))
             got = sess.run(variables)
-    for g, want in zip(got, mean_over(range(N), dtype, 4)):
-        np.testing.assert_allclose(np.asarray(g).astype(np.float64), -want,
-                                   rtol=tolerance(dtype), atol=tolerance(dtype))
-    assert len(requests(events, "DistributedGradientDescent")) == expected_requests(dtype)
+    return [np.asarray(g).astype(np.float64) for g in got], events
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("which", ["keras", "legacy"])
+def test_optimizer_buckets_every_float_dtype_like_numpy_and_like_one_group(which, dtype):
+    # SGD(1.0) from zeros: the variables end at minus the average of every rank's X_k.
+    run, marker = {"keras": (keras_optimizer_step, "DistributedSGD"),
+                   "legacy": (legacy_optimizer_step, "DistributedGradientDescent")}[which]
+    got, events = run(dtype, 3)
+    for g, want in zip(got, mean_over(range(N), dtype, 3)):
+        np.testing.assert_allclose(g, -want, rtol=tolerance(dtype), atol=tolerance(dtype))
+    assert len(requests(events, marker)) == expected_requests(dtype)
+    one, _ = run(dtype, 3, num_groups=1)
+    for g, o in zip(got, one):
+        if N <= 2:  # the same sum of the same two values: the same bits
+            np.testing.assert_array_equal(g, o)
+        else:
+            np.testing.assert_allclose(g, o, rtol=tolerance(dtype), atol=tolerance(dtype))
 
 
 def test_explicit_num_groups_keeps_horovods_meaning():
