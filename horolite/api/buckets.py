@@ -98,14 +98,15 @@ class BucketRuns:
     """The requests of one step, run after run. A run that stopped part way (the step
     failed on this rank) is found when a request it already sent comes again (the next
     run began): its missing requests are abandoned on every rank (abandon_async). A
-    request of the new run under a name still being abandoned goes once that is done
-    (two requests of one name cannot be in flight on a rank)."""
+    request of the new run under a name still in flight, being abandoned or sent by the
+    run that stopped (the others may not have sent theirs yet), goes once that one is
+    done (two requests of one name cannot be in flight on a rank)."""
 
     def __init__(self, names: Sequence[str], process_set=global_process_set):
         self.names = list(names)
         self.process_set = process_set
         self._sent: set = set()  # requests of the current run
-        self._abandoning: Dict[str, Handle] = {}
+        self._last: Dict[str, Handle] = {}  # the latest request (or abandon) of each name
         self._lock = threading.Lock()
 
     def submit(self, k: int, submit: Callable, *args) -> Handle:
@@ -118,14 +119,12 @@ class BucketRuns:
         self._abandon(missing, "its previous run of this step failed there after "
                                f"{len(self.names) - len(missing)} of {len(self.names)} "
                                "buckets had left, and its next run began")
+        name = self.names[k]
         with self._lock:
-            pending = self._abandoning.get(self.names[k])
-            if pending is not None and pending.done():
-                del self._abandoning[self.names[k]]
-                pending = None
-        if pending is None:
-            return submit(*args)
-        proxy = Handle(self.names[k])
+            pending = self._last.get(name)
+        if pending is None or pending.done():
+            return self._track(name, submit(*args))
+        proxy = self._track(name, Handle(name))
 
         def go(_):
             try:
@@ -150,10 +149,20 @@ class BucketRuns:
         return missing
 
     def _abandon(self, names: List[str], why: str) -> List[Handle]:
-        handles = [abandon_async(name, why, self.process_set) for name in names]
+        return [self._track(name, abandon_async(name, why, self.process_set)) for name in names]
+
+    def _track(self, name: str, handle: Handle) -> Handle:
+        """Remember `handle` as the latest of `name` until it is done (not longer: its
+        result's buffer goes back to the pool once nothing holds it)."""
         with self._lock:
-            self._abandoning.update(zip(names, handles))
-        return handles
+            self._last[name] = handle
+
+        def forget(done: Handle) -> None:
+            with self._lock:
+                if self._last.get(name) is done:
+                    del self._last[name]
+        handle.add_done_callback(forget)
+        return handle
 
 
 def _settle(proxy: Handle, handle: Handle) -> None:
