@@ -57,10 +57,13 @@ MUTANTS = [
      [(BUCKETS, 2, expr, BUCKETS_ON) for expr in ("tape_in_a_function_overlaps",
                                                   "fit_applies_the_averaged")]),
     ("a failed step's missing buckets are never abandoned", "horolite/api/buckets.py",
-     "        handles = [abandon_async(name, why, self.process_set) for name in names]\n",
-     "        handles = []\n",
+     "        return [self._track(name, abandon_async(name, why, self.process_set)) for name in names]\n",
+     "        return []\n",
      [("tests/parallel/test_buckets.py", 2, "discarded", STALL_ENDS_JOB),
       (BUCKETS, 2, "failing_after", dict(BUCKETS_ON, **STALL_ENDS_JOB))]),
+    ("a request sent again goes while its last run's is in flight", "horolite/api/buckets.py",
+     "        if pending is None or pending.done():\n", "        if True:\n",
+     [("tests/parallel/test_buckets.py", 2, "sent_again", {})]),
 ]
 # The second half of the Adasum mutant: the prescale, moved after the sum.
 EXTRA = {
