@@ -86,16 +86,13 @@ class Heartbeat:
 
     def _hear(self, now: float) -> None:
         with self._lock:
-            self._hear_locked(now)
-
-    def _hear_locked(self, now: float) -> None:
-        while True:
-            done = MPI.Request.Testsome(self._recvs)
-            if not done:
-                return
-            for i in done:
-                self.last_heard[self.peers[i]] = now
-                self._recvs[i] = self._post(i)
+            while True:
+                done = MPI.Request.Testsome(self._recvs)
+                if not done:
+                    return
+                for i in done:
+                    self.last_heard[self.peers[i]] = now
+                    self._recvs[i] = self._post(i)
 
     def silent(self, now: Optional[float] = None) -> Dict[int, float]:
         """{peer: seconds since it was last heard} for every peer quiet past SILENT_AFTER."""

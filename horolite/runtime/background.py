@@ -277,8 +277,7 @@ class Runtime(JobEnd):
                 if not alive:
                     # Every rank stops at the same agreed cycle, so collective cleanup is safe.
                     if self.lane is not None:
-                        self.lane.drain()
-                        self.lane.close()
+                        self.lane.drain()  # (closed below, as on every way out)
                     self.transport.close()
                     if self.doomed is None:
                         if self.heartbeat is not None:
