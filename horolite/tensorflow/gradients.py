@@ -117,8 +117,10 @@ class GradientReducer:
                     grads[i] = g / n
 
     # -- planning --
-    def _group_indices(self, dense: List[int], variables, grads) -> List[List[int]]:
-        """Which dense gradients travel together (one enqueue op per group)."""
+    def _group_indices(self, dense: List[int], variables, grads, graph: bool) -> List[List[int]]:
+        """Which dense gradients travel together (one enqueue op per group). By default
+        (`dense` then holds the positions of None gradients too) buckets in a graph, one
+        group eagerly: eager ops run one by one, so there is no backprop to overlap."""
         if self.groups is not None:
             where = {ref: k for k, group in enumerate(self.groups) for ref in group}
             by_group = {}
@@ -133,9 +135,11 @@ class GradientReducer:
                     by_group.setdefault(k, []).append(i)
             return [by_group[k] for k in sorted(by_group)] + singles
         if self.num_groups is None:  # buckets in backprop's order (api/buckets.py)
-            return [[dense[j] for j in bucket]
-                    for bucket in buckets.plan_for([_nbytes(grads[i]) for i in dense],
-                                                   self.process_set)]
+            if not graph:
+                return [dense] if dense else []
+            sizes = [_slot_nbytes(grads[i], variables[i] if variables is not None else None)
+                     for i in dense]
+            return [[dense[j] for j in bucket] for bucket in buckets.plan_for(sizes, self.process_set)]
         if self.num_groups:
             n = min(self.num_groups, len(dense)) or 1
             size, extra = divmod(len(dense), n)
@@ -172,7 +176,14 @@ class GradientReducer:
             raise NotImplementedError(f"{self.name}: gradients of {[labels[i] for i in sparse]} are tf.IndexedSlices, "
                              f"which support only Average and Sum, not {op.name}; "
                              "pass sparse_as_dense=True")
-        groups = self._group_indices(dense, variables, grads)
+        if self.num_groups is None and graph:
+            # Every position in the plan, None gradients too (sent as empty placeholders):
+            # the buckets, their names and members are then the same on every rank, and a
+            # gradient that is None on some ranks only is a mismatch named at once, not a
+            # request the others never send.
+            dense = [i for i, g in enumerate(grads)
+                     if not local[i] and not isinstance(g, tf.IndexedSlices)]
+        groups = self._group_indices(dense, variables, grads, graph)
         jobs = []  # (order key, enqueue thunk, finish(hid) -> None)
         # A graph's step of several requests: if it fails here after some left, the next
         # run tells the other ranks the rest will never come (api/buckets.BucketRuns).
@@ -190,7 +201,9 @@ class GradientReducer:
 
         def request(members):
             """(the compressed tensors and their contexts, submit, whether submit must get copies)"""
-            comp = [self.compression.compress(tf.convert_to_tensor(grads[i])) for i in members]
+            comp = [(_placeholder(variables[i] if variables is not None else None), None)
+                    if grads[i] is None else self.compression.compress(tf.convert_to_tensor(grads[i]))
+                    for i in members]
             if len(members) == 1:
                 nm = f"{base}.grad.{labels[members[0]]}"
                 submit, copy = (lambda a: _core.allreduce_async(a, op, nm, pre, post,
@@ -200,9 +213,14 @@ class GradientReducer:
                 submit, copy = grouped_allreduce_submit(nm, op, pre, post, ps)
             return comp, tracked(nm, submit), copy
 
+        placeholders = []  # what None gradients got back: nothing reads it but the barrier
+
         def decompress(members, comp, results):
             for i, r, (_, ctx) in zip(members, results, comp):
-                out[i] = self.compression.decompress(r, ctx)
+                if grads[i] is None:
+                    placeholders.append(r)
+                else:
+                    out[i] = self.compression.decompress(r, ctx)
 
         if graph and len(groups) == 1 and not sparse:
             # The step's only request (the default: one group): nothing else to enqueue,
@@ -223,7 +241,7 @@ class GradientReducer:
                     decompress(members, comp, wait(hid, [t.dtype for t in tensors],
                                                    [t.shape for t in tensors]))
                 return hid, finish
-            jobs.append((max(members), job, [grads[i] for i in members]))
+            jobs.append((max(members), job, [grads[i] for i in members if grads[i] is not None]))
 
         for i in sparse:
             def job(i=i):
@@ -265,6 +283,8 @@ class GradientReducer:
             with tf.control_dependencies(hids):
                 for hid, finish in started:
                     finish(hid)
+            _after_every_request(out, [i for i, g in enumerate(grads)
+                                       if g is not None and not local[i]], placeholders)
         else:
             for hid, finish in started:
                 finish(hid)
@@ -275,6 +295,55 @@ def _nbytes(g) -> int:
     """A gradient's bytes from its static shape (unknown: as large as a bucket may be)."""
     n = g.shape.num_elements()
     return (1 << 62) if n is None else n * g.dtype.size
+
+
+def _slot_nbytes(g, variable) -> int:
+    """A plan position's bytes: its gradient's, or where there is none its variable's (the
+    gradient it has on another rank), so that every rank cuts the same buckets."""
+    if g is not None:
+        return _nbytes(g)
+    if variable is None or getattr(variable, "shape", None) is None:
+        return 0
+    n = tf.TensorShape(variable.shape).num_elements()
+    return (1 << 62) if n is None else n * _dtype_of(variable).size
+
+
+def _dtype_of(variable) -> tf.DType:
+    try:
+        return tf.as_dtype(variable.dtype).base_dtype
+    except (TypeError, AttributeError):
+        return tf.float32
+
+
+def _placeholder(variable) -> tf.Tensor:
+    """What a None gradient sends in its bucket: shape (0,), its variable's dtype. Where
+    every rank has None it costs nothing; where another rank has a gradient, the bucket's
+    member shapes differ and every rank gets the mismatch naming both. Its static shape
+    stays unknown: TensorFlow replaces an op whose output it knows to be empty with a
+    constant, and the wait that raises the mismatch would not run."""
+    empty = tf.zeros([0], _dtype_of(variable) if variable is not None else tf.float32)
+    return tf.compat.v1.placeholder_with_default(empty, [None])
+
+
+def _after_every_request(out: List, reduced: List[int], placeholders: List) -> None:
+    """Every reduced gradient of a graph step of several requests waits for all of them:
+    an update made from the gradients then runs on every rank or on none (a step that
+    fails on one rank after some buckets left fails the others at a later bucket, and
+    without this they would have applied the buckets before it). A placeholder's wait
+    is among them through an assert that reads it (a wait whose output only a control
+    input needs is pruned, and its error with it)."""
+    done = [tf.debugging.assert_equal(tf.size(r), 0, message="a None gradient's placeholder")
+            for r in placeholders]
+    for i in reduced:
+        g = out[i]
+        done.extend([g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g])
+    if len(done) <= 1:
+        return
+    with tf.control_dependencies(done):
+        for i in reduced:
+            g = out[i]
+            out[i] = (tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
+                      if isinstance(g, tf.IndexedSlices) else tf.identity(g))
 
 
 class LocalAggregator:

@@ -84,7 +84,14 @@ class _DistributedMixin:
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
         grads = list(grads)
         if self._horolite_aggregator is None:
-            return super().apply(self._horolite_reducer(grads, variables), trainable_variables)
+            reduced = self._horolite_reducer(grads, variables)
+            if tf.executing_eagerly():
+                return super().apply(reduced, trainable_variables)
+            # All of the update (`iterations` too, which needs no gradient) after every
+            # gradient: a step that fails at one of its buckets changes nothing, anywhere.
+            with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
+                                          for g in reduced if g is not None]):
+                return super().apply(reduced, trainable_variables)
         if not self.built:
             self.build(variables)
             self.built = True
