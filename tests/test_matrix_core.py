@@ -217,9 +217,13 @@ def test_small_collectives(np_, variant):
                     dict(VARIANTS[variant], HOROLITE_TEST_EXPECT_BOARD=board))
 
 
-@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "mpi-ring")])
+@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "mpi-ring")]
+                         + [(n, "pretend-hosts") for n in (2, 4)])
 def test_gradient_buckets(np_, variant):
-    run_pytest_file(os.path.join(PARALLEL, "test_buckets.py"), np_, VARIANTS[variant])
+    # (pretend hosts: buckets and the exchange lane as across hosts, by default)
+    env = ({"HOROLITE_TEST_HOST_IDENTITY": "1+1" if np_ == 2 else "2+2"}
+           if variant == "pretend-hosts" else VARIANTS[variant])
+    run_pytest_file(os.path.join(PARALLEL, "test_buckets.py"), np_, env)
 
 
 # The straggler record: a short window (2 s) so a phase of a few seconds fills it.

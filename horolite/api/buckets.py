@@ -97,29 +97,55 @@ def plan_for(sizes: Sequence[int], process_set=global_process_set) -> List[List[
 class BucketRuns:
     """The requests of one step, run after run. A run that stopped part way (the step
     failed on this rank) is found when a request it already sent comes again (the next
-    run began): its missing requests are abandoned on every rank (abandon_async). A
-    request of the new run under a name still in flight, being abandoned or sent by the
-    run that stopped (the others may not have sent theirs yet), goes once that one is
-    done (two requests of one name cannot be in flight on a rank)."""
+    run began): its missing requests are abandoned on every rank (abandon_async; a notice
+    covers the group in whichever form the others send it: coordination/abandon.py).
+    Two of one name cannot be in flight on a rank, and the others may not have sent
+    theirs yet: a request or notice under a name still in flight (sent, or abandoned, by
+    an earlier run) goes once that one is done. A run counts a request as its own only
+    once it went, so a send that raised is tried again by the next run."""
 
     def __init__(self, names: Sequence[str], process_set=global_process_set):
         self.names = list(names)
         self.process_set = process_set
-        self._sent: set = set()  # requests of the current run
+        self._sent: set = set()  # requests the current run sent
+        self._dropped: set = set()  # and those abandoned as it ended (until it has ended)
         self._last: Dict[str, Handle] = {}  # the latest request (or abandon) of each name
         self._lock = threading.Lock()
+        self._runs = threading.RLock()  # one submit or stop at a time
 
     def submit(self, k: int, submit: Callable, *args) -> Handle:
         """submit(*args) for request k (its handle, or one that completes as it does)."""
-        with self._lock:
-            missing = self._end_run() if k in self._sent else []
+        with self._runs:
+            if k in self._sent:  # the next run began: what the last one did not send never comes
+                self._end_run(f"its previous run of this step failed there after "
+                              f"{len(self._sent)} of {len(self.names)} buckets had left, and "
+                              "its next run began")
+            handle = self._send(self.names[k], submit, *args)
             self._sent.add(k)
             if len(self._sent) == len(self.names):
                 self._sent = set()
-        self._abandon(missing, "its previous run of this step failed there after "
-                               f"{len(self.names) - len(missing)} of {len(self.names)} "
-                               "buckets had left, and its next run began")
-        name = self.names[k]
+            return handle
+
+    def stop(self, why: str) -> List[Handle]:
+        """The current run ends here, unfinished: abandon what it did not send (returns
+        those requests' handles)."""
+        with self._runs:
+            return self._end_run(why) if self._sent or self._dropped else []
+
+    def _end_run(self, why: str) -> List[Handle]:
+        """Abandon what the current run did not send, then start the next run. (A notice
+        that raised leaves the run unended, less what was abandoned: ended again later.)"""
+        handles = []
+        for k, name in enumerate(self.names):
+            if k not in self._sent and k not in self._dropped:
+                handles.append(self._send(name, abandon_async, name, why, self.process_set))
+                self._dropped.add(k)
+        self._sent, self._dropped = set(), set()
+        return handles
+
+    def _send(self, name: str, submit: Callable, *args) -> Handle:
+        """submit(*args) now, or, while the latest of `name` is in flight, once it is done
+        (returns a handle that completes as that one does)."""
         with self._lock:
             pending = self._last.get(name)
         if pending is None or pending.done():
@@ -135,21 +161,6 @@ class BucketRuns:
             handle.add_done_callback(lambda h: _settle(proxy, h))
         pending.add_done_callback(go)
         return proxy
-
-    def stop(self, why: str) -> List[Handle]:
-        """The current run ends here, unfinished: abandon what it did not send (returns
-        those requests' handles)."""
-        with self._lock:
-            missing = self._end_run() if self._sent else []
-        return self._abandon(missing, why)
-
-    def _end_run(self) -> List[str]:
-        missing = [name for k, name in enumerate(self.names) if k not in self._sent]
-        self._sent = set()
-        return missing
-
-    def _abandon(self, names: List[str], why: str) -> List[Handle]:
-        return [self._track(name, abandon_async(name, why, self.process_set)) for name in names]
 
     def _track(self, name: str, handle: Handle) -> Handle:
         """Remember `handle` as the latest of `name` until it is done (not longer: its

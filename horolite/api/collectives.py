@@ -167,7 +167,10 @@ def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_fact
     return _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum, runtime())
 
 
-def _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum, rt) -> Handle:
+def _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum, rt,
+                     members: int = 0) -> Handle:
+    """members > 0: `name` is one of that many separate requests of a group
+    (Request.members)."""
     name = name or _auto_name("allreduce", rt)
     op = _reduce_op(op, name)
     pre, post = float(prescale_factor), float(postscale_factor)
@@ -180,7 +183,7 @@ def _allreduce_async(array, op, name, prescale_factor, postscale_factor, quorum,
         check_adasum(arr, name, rt)
     return _submit(Kind.ALLREDUCE, arr, name, rt=rt, op=int(op), prescale=float(prescale_factor),
                    postscale=float(postscale_factor), quorum=k,
-                   host_only=op == ReduceOp.ADASUM)
+                   host_only=op == ReduceOp.ADASUM, members=members)
 
 
 def abandon_async(name: str, reason: str, process_set=global_process_set) -> Handle:
@@ -237,9 +240,7 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
         # Each tensor has its own coefficients: the members go separately (they still fuse).
         if borrowed:
             arrays = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in arrays]
-        return one_handle(base, [allreduce_async(a, op, f"{base}.{i}", prescale_factor,
-                                                 postscale_factor, process_set=process_set)
-                                 for i, a in enumerate(arrays)], rt)
+        return _separately(arrays, op, base, prescale_factor, postscale_factor, rt)
     pre, post = float(prescale_factor), float(postscale_factor)
     if not (math.isfinite(pre) and math.isfinite(post)):
         for i, a in enumerate(arrays):
@@ -269,8 +270,15 @@ def _grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] =
             f"({'device arrays' if any(not isinstance(a, np.ndarray) for a in arrays) else 'host arrays'})")
     if borrowed:
         arrays = [np.array(a, copy=True) if isinstance(a, np.ndarray) else a for a in arrays]
-    return one_handle(base, [allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor,
-                                              process_set=process_set)
+    return _separately(arrays, op, base, prescale_factor, postscale_factor, rt)
+
+
+def _separately(arrays: list, op, base: str, prescale_factor, postscale_factor, rt) -> Handle:
+    """A group that cannot be one request: its members go as `<base>.<k>`, each saying it is
+    one of len(arrays) (so an abandon notice for `base` covers them: coordination/abandon.py),
+    behind one handle."""
+    return one_handle(base, [_allreduce_async(a, op, f"{base}.{i}", prescale_factor, postscale_factor,
+                                              None, rt, members=len(arrays))
                               for i, a in enumerate(arrays)], rt)
 
 

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import quorum
+from .abandon import settled
 from ..core.messages import JOIN_NAME, Kind, Request, Response
 from ..core.ops import ReduceOp
 
@@ -49,6 +50,14 @@ def _disagreement(field: str, label: str, by_rank: Dict[int, object]) -> Optiona
     return f"mismatched {label}: " + ", ".join(parts)
 
 
+def abandoned_response(name: str, first: Request, gone: Dict[int, str]) -> Response:
+    """The error every rank raises for tensor `name`, which the ranks in `gone` (rank ->
+    why) will never send: not a mismatch but a peer's failure, naming the first of them."""
+    return Response(kind=first.kind, name=name, error_type="abandoned", peer=min(gone),
+                    error=f"tensor '{name}': {format_ranks(gone)} will never send it: "
+                          f"{gone[min(gone)]}")
+
+
 def check_requests(name: str, requests: Dict[int, Request], size: int,
                    joined: Iterable[int] = ()) -> Response:
     """Validate one tensor's requests from every participating rank."""
@@ -61,8 +70,7 @@ def check_requests(name: str, requests: Dict[int, Request], size: int,
 
     gone = {r: q.abandoned for r, q in requests.items() if q.abandoned}
     if gone:
-        return fail(f"{format_ranks(sorted(gone))} will never send it: "
-                    f"{gone[min(gone)]}")
+        return abandoned_response(name, first, gone)
 
     for field, label in (("kind", "collective"), ("dtype", "dtype"), ("device", "device"),
                          ("op", "reduce op"), ("root", "root rank"),
@@ -115,6 +123,7 @@ class Coordinator:
         self._first_seen: Dict[str, float] = {}
         self._joined: "OrderedDict[int, None]" = OrderedDict()
         self._ready: List[str] = []
+        self._notices: "OrderedDict[str, None]" = OrderedDict()  # names with an abandon notice
 
     def add(self, rank: int, requests: Iterable[Request], now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
@@ -127,6 +136,8 @@ class Coordinator:
                 entry = self._table[req.name] = {}
                 self._first_seen[req.name] = now
             entry[rank] = req
+            if req.abandoned:
+                self._notices[req.name] = None
 
     @property
     def joined(self) -> Tuple[int, ...]:
@@ -136,6 +147,8 @@ class Coordinator:
         """Tensors every non-joined rank has submitted, in the order they became ready."""
         out: List[Response] = []
         expected = self.size - len(self._joined)
+        if self._notices:
+            out += self._abandoned()
         for name in list(self._table):
             requests = self._table[name]
             participants = len([r for r in requests if r not in self._joined])
@@ -157,6 +170,20 @@ class Coordinator:
             last = next(reversed(self._joined))
             self._joined.clear()
             out.append(Response(kind=Kind.JOIN, name=JOIN_NAME, last_joined=last))
+        return out
+
+    def _abandoned(self) -> List[Response]:
+        """The failures of every noticed group the other ranks have sent whole, in
+        whichever form (abandon.py)."""
+        out = []
+        for names, gone in settled(self._table, self._notices, self.size, self._joined):
+            if self.names is not None:
+                gone = {self.names[r]: why for r, why in gone.items()}
+            for name in names:
+                first = next(iter(self._table.pop(name).values()))
+                del self._first_seen[name]
+                out.append(abandoned_response(name, first, gone))
+        self._notices = OrderedDict((n, None) for n in self._notices if n in self._table)
         return out
 
     def stalled(self, now: float, after: float) -> List[Tuple[str, List[int], List[int], float]]:

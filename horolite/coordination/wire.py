@@ -165,13 +165,13 @@ OPTIONAL_STOP = _optional(_w_pair, _r_pair)
 REQUEST_FIELDS = (
     ("name", STR), ("kind", KIND), ("dtype", STR), ("shape", INTS), ("op", INT), ("root", INT),
     ("prescale", FLOAT), ("postscale", FLOAT), ("device", STR), ("group", SHAPES), ("quorum", INT),
-    ("abandoned", STR),
+    ("abandoned", STR), ("members", INT),
 )
 RESPONSE_FIELDS = (
     ("kind", KIND), ("name", STR), ("dtype", STR), ("shape", INTS), ("op", INT), ("root", INT),
     ("prescale", FLOAT), ("postscale", FLOAT), ("device", STR), ("first_dims", OPTIONAL_INTS),
     ("joined", INTS), ("error", OPTIONAL_STR), ("error_type", STR), ("last_joined", INT),
-    ("contributors", INTS), ("present", INTS),
+    ("contributors", INTS), ("present", INTS), ("peer", INT),
 )
 
 

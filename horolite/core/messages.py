@@ -48,13 +48,17 @@ class Request:
     quorum: int = 0
     # Non-empty: this rank will never send this tensor (why); every rank's request for it
     # fails with the reason (a step abandoned after some of its buckets left: api/buckets.py).
+    # A notice for `N` also covers `N.0`, `N.1`, ... sent with `members` (coordination/abandon.py).
     abandoned: str = ""
+    # > 0: this request is `<group>.<k>`, one of the `members` requests of a grouped
+    # allreduce that could not be packed into one (api/collectives.py); 0: not.
+    members: int = 0
 
     def signature(self) -> tuple:
         """Everything but the name: equal signatures mean a cached response still fits."""
         return (self.kind, self.dtype, self.shape, self.op, self.root,
                 self.prescale, self.postscale, self.device, self.group, self.quorum,
-                self.abandoned)
+                self.abandoned, self.members)
 
 
 @dataclass
@@ -83,6 +87,8 @@ class Response:
     # of this name with the result). Both empty for any other collective.
     contributors: Tuple[int, ...] = ()
     present: Tuple[int, ...] = ()
+    # error_type "abandoned": the rank that will never send the tensor (the peer named).
+    peer: int = -1
     # Response-cache slot the tensor was answered from (-1: negotiated in full).
     cache_slot: int = field(default=-1, compare=False)
 

@@ -73,6 +73,10 @@ class _FusedLayout:
 
 
 def _error_for(resp: Response) -> HorovodInternalError:
+    if resp.error_type == "abandoned":  # a peer's step failed there: a runtime failure
+        error = HorovodInternalError(resp.error)  # naming it, as a peer's notice does
+        error.horolite_peer = resp.peer
+        return error
     cls = TensorMismatchError if resp.error_type == "mismatch" else InvalidCollectiveError
     return cls(resp.error)
 

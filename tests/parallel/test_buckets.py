@@ -4,10 +4,13 @@ Arrays marked ready one at a time (a backward pass, last first) leave in buckets
 each fills; every result is checked against NumPy from each rank's known inputs, and
 what travelled against the handles the runtime returned.
 """
+import time
+
 import numpy as np
 import pytest
 
 import horolite as hvd
+from horolite.elastic.run import is_runtime_failure
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
@@ -73,6 +76,14 @@ def test_bad_use_is_named():
         hvd.GradientBuckets([16], "")
 
 
+def assert_a_peers_failure(error, peer=1):
+    """A step abandoned on `peer` fails here as a runtime failure naming it, not as a
+    mismatch: elastic restarts on it, and a rank that dies of it does not say it was the cause."""
+    assert getattr(error, "horolite_peer", None) == peer, repr(error)
+    assert not isinstance(error, ValueError), repr(error)
+    assert is_runtime_failure(error)
+
+
 def test_a_step_discarded_on_one_rank_fails_there_and_everywhere_then_works():
     if N < 2:
         pytest.skip("needs at least two ranks")
@@ -88,9 +99,10 @@ def test_a_step_discarded_on_one_rank_fails_there_and_everywhere_then_works():
     else:
         for i in reversed(range(n)):
             buckets.ready(i, mine[i])
-        with pytest.raises(hvd.TensorMismatchError,
-                           match="rank 1 will never send it: its backward pass raised"):
+        with pytest.raises(hvd.HorovodInternalError,
+                           match="rank 1 will never send it: its backward pass raised") as caught:
             buckets.results()
+        assert_a_peers_failure(caught.value)
     for step in (1, 2):  # the next steps work
         for i in reversed(range(n)):
             buckets.ready(i, arrays(R, np.float32, step)[i])
@@ -135,10 +147,202 @@ def test_a_request_sent_again_while_its_last_run_is_in_flight_waits_for_it():
         assert comm.recv(source=1, tag=61) == "sent again"
         old0 = runs.submit(0, send(0), x(R, 0, 0))
         old1 = runs.submit(1, send(1), x(R, 1, 0))
-        with pytest.raises(hvd.TensorMismatchError, match="rank 1 will never send it"):
+        with pytest.raises(hvd.HorovodInternalError, match="rank 1 will never send it") as caught:
             old1.result(timeout=60)
+        assert_a_peers_failure(caught.value)
         new0 = runs.submit(0, send(0), x(R, 0, 1))
         new1 = runs.submit(1, send(1), x(R, 1, 1))
     np.testing.assert_array_equal(old0.result(timeout=60), total(0, 0))
     np.testing.assert_array_equal(new0.result(timeout=60), total(0, 1))
     np.testing.assert_array_equal(new1.result(timeout=60), total(1, 1))
+
+
+# Arrays (shape, dtype) cut at 20 000 bytes into buckets [3, 4, 5] (float64, float32, float64),
+# [2] (float32 alone: one packed request) and [0, 1] (float32 and float64): a bucket of two
+# dtypes cannot be packed, so it goes out as separate requests `<bucket>.0`, `<bucket>.1`.
+MIXED = [((64, 64), np.float32), ((64,), np.float64), ((64, 128), np.float32),
+         ((128,), np.float64), ((128, 10), np.float32), ((10,), np.float64)]
+
+
+def pair(a, b):
+    """Horovod's Adasum of two vectors, in float64 (as tests/parallel/test_adasum.py)."""
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    dot, na, nb = a @ b, a @ a, b @ b
+    ac = 1 - dot / (2 * na) if na >= np.sqrt(np.finfo(np.float64).tiny) else 1.0
+    bc = 1 - dot / (2 * nb) if nb >= np.sqrt(np.finfo(np.float64).tiny) else 1.0
+    return ac * a + bc * b
+
+
+def adasum(vectors):
+    level = list(vectors)
+    while len(level) > 1:
+        level = [pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+@pytest.mark.parametrize("when", ["first", "cached"])
+def test_a_step_discarded_with_a_bucket_of_mixed_dtypes_fails_everywhere_then_works(when):
+    discarded_with_buckets_that_cannot_be_packed("mixed", when)
+
+
+@pytest.mark.parametrize("when", ["first", "cached"])
+def test_a_step_discarded_with_adasum_buckets_fails_everywhere_then_works(when):
+    if N > 1 and N & (N - 1):
+        pytest.skip("Adasum needs a power-of-two number of ranks")
+    discarded_with_buckets_that_cannot_be_packed("adasum", when)
+
+
+def discarded_with_buckets_that_cannot_be_packed(case, when):
+    # Rank 1 fails after the last layers' bucket left: in its first step (it never sent the
+    # other buckets in this process), or after a whole one (the others' requests are then
+    # response-cache hits). Its notices cover the buckets the others sent as separate
+    # requests (mixed dtypes; with Adasum every bucket): their step fails in seconds
+    # naming rank 1, its discard() returns, and the next steps are whole.
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+    specs = MIXED if case == "mixed" else [(shape, np.float32) for shape, _ in MIXED]
+    op = hvd.Average if case == "mixed" else hvd.Adasum
+
+    def mine(r, step):
+        rng = np.random.RandomState(1000 * step + r)
+        return [rng.uniform(-1, 1, shape).astype(dtype) for shape, dtype in specs]
+    sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in specs]
+    buckets = hvd.GradientBuckets(sizes, f"np_buckets.unpacked.{case}.{when}", op=op,
+                                  cap_bytes=20_000)
+    assert buckets.buckets == [[3, 4, 5], [2], [0, 1]]
+    n = len(specs)
+
+    def whole_step(step):
+        for i in reversed(range(n)):
+            buckets.ready(i, mine(R, step)[i])
+        got = buckets.results()
+        everyone = [mine(r, step) for r in range(N)]
+        for k, (g, (shape, dtype)) in enumerate(zip(got, specs)):
+            assert g.dtype == dtype and g.shape == shape
+            if case == "mixed":
+                want = np.mean([e[k].astype(np.float64) for e in everyone], axis=0)
+            else:
+                want = adasum([e[k] for e in everyone]).reshape(shape)
+            np.testing.assert_allclose(g.astype(np.float64), want, rtol=1e-5, atol=1e-6)
+    if when == "cached":
+        whole_step(3)
+    started = time.monotonic()
+    if R == 1:  # its backward pass fails after the first bucket left
+        for i in reversed(range(n)):
+            if buckets.ready(i, mine(R, 0)[i]) is not None:
+                break
+        buckets.discard("its backward pass raised")
+        assert time.monotonic() - started < 20, "discard() waited for its notices too long"
+    else:
+        handles = [h for h in (buckets.ready(i, mine(R, 0)[i]) for i in reversed(range(n)))
+                   if h is not None]
+        with pytest.raises(hvd.HorovodInternalError,
+                           match="rank 1 will never send it: its backward pass raised") as caught:
+            buckets.results()
+        assert time.monotonic() - started < 20, "the others waited for the abandoned buckets"
+        assert_a_peers_failure(caught.value)
+        assert handles[0].exception() is None  # the bucket rank 1 sent
+        for handle in handles[1:]:  # both forms: one request, and separate ones
+            assert "rank 1 will never send it" in str(handle.exception())
+            assert_a_peers_failure(handle.exception())
+    for step in (1, 2):  # the next steps are whole
+        whole_step(step)
+
+
+def runs_case(prefix, count):
+    """(BucketRuns over `count` names, send(k), x(r, k, run), total(k, run)) for a case
+    where rank 1 runs ahead while the others wait for its word over mpi4py."""
+    from horolite.api.buckets import BucketRuns
+    names = [f"{prefix}.b{k}" for k in range(count)]
+
+    def send(k):
+        return lambda a: hvd.allreduce_async(a, name=names[k], op=hvd.Sum)
+
+    def x(r, k, run):
+        return np.full(3 + k, 10.0 * r + k + 100.0 * run)
+
+    def total(k, run):
+        return sum(x(r, k, run) for r in range(N))
+    return BucketRuns(names), send, x, total
+
+
+def tell_the_others(tag):
+    from mpi4py import MPI
+    for peer in range(N):
+        if peer != R:
+            MPI.COMM_WORLD.send("go", dest=peer, tag=tag)
+
+
+def wait_for_rank_1(tag):
+    from mpi4py import MPI
+    assert MPI.COMM_WORLD.recv(source=1, tag=tag) == "go"
+
+
+def test_a_request_sent_again_by_two_failed_runs_before_the_first_notice_is_answered():
+    # Rank 1's runs 0 and 1 stop after their first request (a retry loop over an error of
+    # its own), and run 2 begins, all before the others sent anything: run 1's notice waits
+    # behind run 0's (two of one name are never in flight), nothing raises on rank 1, the
+    # others' runs 0 and 1 fail naming it, and run 2 is whole everywhere.
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+    runs, send, x, total = runs_case("np_runs_twice", 2)
+    if R == 1:
+        try:
+            first = [runs.submit(0, send(0), x(R, 0, run)) for run in range(3)]
+        finally:  # (even if that raised: the others must not wait for this word forever)
+            tell_the_others(62)
+        last1 = runs.submit(1, send(1), x(R, 1, 2))
+    else:
+        wait_for_rank_1(62)
+        first = []
+        for run in range(2):
+            first.append(runs.submit(0, send(0), x(R, 0, run)))
+            with pytest.raises(hvd.HorovodInternalError, match="rank 1 will never send it") as caught:
+                runs.submit(1, send(1), x(R, 1, run)).result(timeout=60)
+            assert_a_peers_failure(caught.value)
+        first.append(runs.submit(0, send(0), x(R, 0, 2)))
+        last1 = runs.submit(1, send(1), x(R, 1, 2))
+    for run, handle in enumerate(first):
+        np.testing.assert_array_equal(handle.result(timeout=60), total(0, run))
+    np.testing.assert_array_equal(last1.result(timeout=60), total(1, 2))
+
+
+def test_a_notice_that_raised_is_sent_by_the_next_try_and_the_job_goes_on(monkeypatch):
+    # Rank 1's run 0 stops after its first request; its run 1 finds that, and the second of
+    # its two notices raises. The next try sends only the notice that did not go (two of
+    # one name would be refused), the others' run 0 fails naming rank 1, and run 1 is whole.
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+    import horolite.api.buckets as buckets_module
+    runs, send, x, total = runs_case("np_runs_raised", 3)
+    if R == 1:
+        try:
+            old0 = runs.submit(0, send(0), x(R, 0, 0))
+            real, calls = buckets_module.abandon_async, []
+
+            def second_fails(name, *args):
+                calls.append(name)
+                if len(calls) == 2:
+                    raise RuntimeError("injected: the notice could not be sent")
+                return real(name, *args)
+            monkeypatch.setattr(buckets_module, "abandon_async", second_fails)
+            with pytest.raises(RuntimeError, match="injected"):
+                runs.submit(0, send(0), x(R, 0, 1))
+            new = [runs.submit(0, send(0), x(R, 0, 1))]  # the next try
+            assert calls == ["np_runs_raised.b1", "np_runs_raised.b2", "np_runs_raised.b2"]
+        finally:
+            tell_the_others(63)
+        new += [runs.submit(k, send(k), x(R, k, 1)) for k in (1, 2)]
+    else:
+        wait_for_rank_1(63)
+        old0 = runs.submit(0, send(0), x(R, 0, 0))
+        for k in (1, 2):
+            with pytest.raises(hvd.HorovodInternalError,
+                               match=r"rank 1 will never send it: its previous run of this step "
+                                     r"failed there after 1 of 3 buckets had left") as caught:
+                runs.submit(k, send(k), x(R, k, 0)).result(timeout=60)
+            assert_a_peers_failure(caught.value)
+        new = [runs.submit(k, send(k), x(R, k, 1)) for k in range(3)]
+    np.testing.assert_array_equal(old0.result(timeout=60), total(0, 0))
+    for k, handle in enumerate(new):
+        np.testing.assert_array_equal(handle.result(timeout=60), total(k, 1))

@@ -14,6 +14,7 @@ REQUESTS = [
             device="cuda"),
     Request("g", Kind.ALLREDUCE, "float16", (10,), group=((2, 3), (4,), ()), quorum=3),
     Request("gone", Kind.ALLREDUCE, "", (), abandoned="its previous run failed after 1 of 3 — ünïcode"),
+    Request("mixed.1", Kind.ALLREDUCE, "float64", (7,), op=4, members=2),
     Request("horolite.join", Kind.JOIN, "", ()),
 ]
 RESPONSES = [
@@ -22,6 +23,8 @@ RESPONSES = [
     Response(Kind.ALLGATHER, "ag", "uint8", (5, 2), first_dims=(5, 0, 7), joined=(1,)),
     Response(Kind.BROADCAST, "b", error="tensor 'b': mismatched dtype: rank 0 had int8",
              error_type="invalid", root=1, device="cuda"),
+    Response(Kind.ALLREDUCE, "mixed.1", error="tensor 'mixed.1': rank 1 will never send it: why",
+             error_type="abandoned", peer=1),
     Response(Kind.JOIN, "horolite.join", last_joined=3),
 ]
 
