@@ -4,8 +4,11 @@ and then bring every rank's ages to rank 0 and its report back (straggler.py).
 Nothing rides on the rounds themselves. Every rank notes the same rounds, so the buffers
 fill together and every rank knows, with no message, when they must travel; otherwise
 rank 0 asks for them (a flag bit of the control vector) about once a second while there
-is anything to send. Then one gather of float32 ages (4 bytes a round) to rank 0 and one
-broadcast of the report: two small messages a second, none per collective.
+is anything to send, or while its window holds rounds older than the window (so a quiet
+stretch ages the report out on every rank alike). Then one gather of float32 ages (4
+bytes a round and rank) to rank 0 and one broadcast of the report (32 bytes a rank):
+two messages a second at most, none per collective. Joins and barriers are not noted:
+waiting in them is what they are for.
 """
 from __future__ import annotations
 
@@ -14,13 +17,15 @@ import math
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from .straggler import (RoundAges, StragglerTable, decode_report, empty_report,
-                        encode_report)
+from .straggler import Report, RoundAges, StragglerTable, empty_report
+from ..core.messages import Kind
 from ..failure.channel import launcher_marker
 
 __all__ = ["StragglerRound", "EXCHANGE_SECONDS", "DEFAULT_WINDOW"]
 
 _log = logging.getLogger("horolite.coordination.straggler")
+
+_JOIN, _BARRIER = Kind.JOIN, Kind.BARRIER
 
 # How often rank 0 asks for the ranks' ages while rounds complete (at most).
 EXCHANGE_SECONDS = 1.0
@@ -36,6 +41,7 @@ class StragglerRound:
                  report_seconds: float, label: str = ""):
         self.rank = rank
         self.ranks = list(ranks)
+        self.hosts = list(hosts)
         self.label = label  # "process set 1: " or ""
         self.report_seconds = float(report_seconds)
         window = self.report_seconds or DEFAULT_WINDOW
@@ -57,23 +63,34 @@ class StragglerRound:
              carried_name: str = "") -> bool:
         """A round completed collectives (`responses`, and any carried in the round, the
         first named `carried_name`): note how long this rank had been ready with all of
-        them (NaN when none was its own). True when the buffer must travel now."""
+        them (NaN when none was its own). Joins and barriers are left out (every rank
+        leaves out the same). True when the buffer must travel now."""
         if not self.enabled:
             return False
         newest = newest_carried
-        for entry in entries:
+        counted = newest_carried > 0.0  # carried: every rank had its entry in the round
+        name = carried_name
+        for resp, entry in zip(responses, entries):
+            kind = resp.kind
+            if kind is _JOIN or kind is _BARRIER:
+                continue
+            if not counted:
+                counted, name = True, resp.name
             if entry is not None:
                 since = entry.submitted or entry.taken  # taken: submitted by native code
                 if since > newest:
                     newest = since
+        if not counted:
+            return False
         if self.table is not None and timeline.enabled:
-            name = responses[0].name if responses else carried_name
             self._rounds.append((self.ages.count, done, name))
         return self.ages.note(done - newest if newest > 0.0 else math.nan)
 
     def due(self, now: float) -> bool:
-        """Rank 0: whether to ask for the ranks' ages in this cycle's control round."""
-        return self.table is not None and self.ages.count > 0 and now - self._sent >= self._every
+        """Rank 0: whether to ask for the ranks' ages in this cycle's control round: new
+        rounds to count, or old ones the window must drop."""
+        return (self.table is not None and now - self._sent >= self._every
+                and (self.ages.count > 0 or self.table.stale(now)))
 
     def exchange(self, transport, timeline, now: Optional[float] = None) -> None:
         """Every rank at once: the ages to rank 0, its report back to all."""
@@ -93,10 +110,10 @@ class StragglerRound:
                     self._draw(ages, timeline)
             self._rounds.clear()
             self._maybe_log(now)
-            self.report = self.table.report(now)
-            transport.bcast_bytes(encode_report(self.report))
+            self.report = self.table.compact(now)
+            transport.bcast_bytes(self.report.encode())
         else:
-            self.report = decode_report(transport.bcast_bytes(b""))
+            self.report = Report.decode(transport.bcast_bytes(b""), self.ranks, self.hosts)
         self.ages.clear()  # only now: a reader that sees it empty sees the new report
         self.exchanges += 1
         self.exchange_seconds += time.monotonic() - start

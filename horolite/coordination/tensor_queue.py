@@ -18,7 +18,17 @@ from ..core.handle import Handle
 from ..core.messages import Request
 from ..core.wake import Wake
 
-__all__ = ["Entry", "TensorQueue", "Wake"]
+__all__ = ["Entry", "TensorQueue", "Wake", "NATIVE"]
+
+
+class _Native(threading.local):
+    """On the thread that submits for TensorFlow's native enqueue ops (intake.py): when
+    the op being submitted ran (monotonic seconds, its `enqueued_ns`), the straggler
+    record's measure of when this rank was ready; 0.0: stamp the submit itself."""
+    since = 0.0
+
+
+NATIVE = _Native()
 
 
 @dataclass(slots=True)
@@ -35,8 +45,9 @@ class Entry:
     # submit), and when its response was known; for cache demotion and the timeline.
     taken: float = 0.0
     responded: float = 0.0
-    # When its caller submitted it (monotonic): the straggler record's measure of when this
-    # rank was ready (coordination/straggler.py); the background thread may take it later.
+    # When its caller submitted it (monotonic; a native op: when the op ran, NATIVE): the
+    # straggler record's measure of when this rank was ready (coordination/straggler.py);
+    # the background thread may take it later.
     submitted: float = 0.0
     # The array is horolite's own (a packed group in the output pool): reduced in
     # place, it becomes the result.
@@ -77,7 +88,7 @@ class TensorQueue:
                     f"tensor '{name}': a collective with this name is already in flight on this "
                     "rank; wait for it (synchronize) or use another name")
             self._inflight[name] = entry
-            entry.submitted = time.monotonic()
+            entry.submitted = NATIVE.since or time.monotonic()
             self._new.append(entry)
         if ring:
             self.wake.set()

@@ -22,6 +22,7 @@ from typing import Callable, Dict, List
 import numpy as np
 import tensorflow as tf
 
+from horolite.coordination.tensor_queue import NATIVE
 from horolite.errors import HorovodInternalError, NotInitializedError
 from horolite.runtime import registry
 
@@ -97,27 +98,34 @@ class Intake:
         specs = self._specs
         rt = registry.current()
         timeline = rt.timeline if rt is not None and rt.timeline.enabled else None
-        for item in items:
-            try:
-                arrays = self._arrays(item)
-            except BaseException as e:  # noqa: BLE001 - every error goes to the wait op
-                native.fail(item.hid, e, _python_op_code(e))
-                continue
-            spec = specs[item.spec]
-            if spec.__class__ is not Member:
-                handle = submit_to_wait_op(native, item.hid, spec, arrays)
-                if timeline is not None and handle is not None:
-                    # from the op running (its inputs had just been computed) to this take
-                    timeline.span(handle.name, "ENQUEUE", item.enqueued_ns * 1e-9,
-                                  time.monotonic())
-                continue
-            ready, stale = spec.group.collect(spec.index, (item.hid, spec.submit, arrays))
-            self.held += ready is None
-            self.dropped += len(stale)
-            for hid, _, _ in stale:  # (their wait ops were cancelled with their step)
-                native.fail(hid, _ABANDONED)
-            for hid, submit, member_arrays in ready or ():
-                submit_to_wait_op(native, hid, submit, member_arrays)
+        try:
+            for item in items:
+                try:
+                    arrays = self._arrays(item)
+                except BaseException as e:  # noqa: BLE001 - every error goes to the wait op
+                    native.fail(item.hid, e, _python_op_code(e))
+                    continue
+                # The rank was ready when the op ran, not when this thread took the item
+                # (a cycle, or a control round, later): the straggler record's time. Both
+                # clocks are CLOCK_MONOTONIC (enqueue_op.cc, time.monotonic).
+                NATIVE.since = ran = item.enqueued_ns * 1e-9
+                spec = specs[item.spec]
+                if spec.__class__ is not Member:
+                    handle = submit_to_wait_op(native, item.hid, spec, arrays)
+                    if timeline is not None and handle is not None:
+                        # from the op running (its inputs had just been computed) to this take
+                        timeline.span(handle.name, "ENQUEUE", ran, time.monotonic())
+                    continue
+                # (a group is ready when its last member's op ran: this one)
+                ready, stale = spec.group.collect(spec.index, (item.hid, spec.submit, arrays))
+                self.held += ready is None
+                self.dropped += len(stale)
+                for hid, _, _ in stale:  # (their wait ops were cancelled with their step)
+                    native.fail(hid, _ABANDONED)
+                for hid, submit, member_arrays in ready or ():
+                    submit_to_wait_op(native, hid, submit, member_arrays)
+        finally:
+            NATIVE.since = 0.0  # this thread's own submits stamp themselves
 
     def pending(self) -> bool:
         return bool(self.native.lib.horolit_pending())

@@ -186,3 +186,44 @@ def test_a_process_set_reports_its_own_ranks():
     check_named(last, wait, steps, slow)
     assert report["straggler"]["total"] == slow or report["straggler"]["window"] == slow, report
     json.dumps(report)  # plain numbers and strings
+
+
+def test_a_quiet_stretch_ages_the_window_out():
+    # Finding 9: after a slow phase, no collectives for longer than the window. The report
+    # must not keep naming the old straggler: rank 0 asks for an exchange (with no rounds)
+    # once the window's oldest rounds are older than the window.
+    needs_two()
+    steps = int(WINDOW / DELAY) + 5
+    report, last, wait = phase(steps, slow_rank, name="before.quiet")
+    assert report["straggler"]["window"] == SLOW, report
+    time.sleep(WINDOW + 1.5)  # no collective here (idle cycles only)
+    deadline = time.monotonic() + 5.0  # a loaded machine's idle cycles come 0.1 s apart
+    report = hvd.straggler_report()
+    while report["rounds"]["window"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        report = hvd.straggler_report()
+    assert report["straggler"]["window"] is None, report
+    assert report["rounds"]["window"] == 0, report
+    assert report["ranks"][SLOW]["window"]["wait_seconds"] == 0.0, report
+    assert report["straggler"]["total"] == SLOW  # the totals keep it
+
+
+def test_joining_is_not_straggling():
+    # Finding 10: the last rank to join() is not charged with the time the others spent
+    # joined (uneven data is what join is for), nor anyone with a barrier's wait.
+    needs_two()
+    extra, each = 10, 0.1
+    settle()
+    _, before = totals()
+    if RANK == SLOW:
+        for step in range(extra):
+            time.sleep(each)
+            hvd.allreduce(np.full(4, float(RANK)), name=f"uneven.{step}")
+    hvd.join()
+    if RANK == 0:
+        time.sleep(extra * each)  # a checkpoint written before the others pass the barrier
+    hvd.barrier()
+    settle()
+    _, after = totals()
+    grew = {r: after[r]["wait_seconds"] - before[r]["wait_seconds"] for r in after}
+    assert max(grew.values()) < 0.3 * extra * each, grew

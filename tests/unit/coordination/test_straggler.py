@@ -4,8 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from horolite.coordination.straggler import (RoundAges, StragglerTable, decode_report,
-                                             encode_report)
+from horolite.coordination.straggler import Report, RoundAges, StragglerTable
 
 
 def table(size=3, window=10.0):
@@ -90,7 +89,7 @@ def test_the_report_survives_its_encoding_with_job_ranks_as_keys():
     t = StragglerTable([3, 5], ["a", "b"], 60.0, 0.0)
     t.absorb(ages_of([[0.02, 0.0]] * 12), now=1.0)
     report = t.report(1.0)
-    assert decode_report(encode_report(report)) == report
+    assert Report.decode(t.compact(1.0).encode(), [3, 5], ["a", "b"]).as_dict() == report
     assert sorted(report["ranks"]) == [3, 5] and report["straggler"]["total"] == 5
 
 
