@@ -12,6 +12,8 @@ calls and reduces the sum once, on the last call.
 """
 from __future__ import annotations
 
+import ast
+import re
 from typing import List, Optional, Sequence
 
 import tensorflow as tf
@@ -176,7 +178,7 @@ class GradientReducer:
             raise NotImplementedError(f"{self.name}: gradients of {[labels[i] for i in sparse]} are tf.IndexedSlices, "
                              f"which support only Average and Sum, not {op.name}; "
                              "pass sparse_as_dense=True")
-        if self.num_groups is None and graph:
+        if self.num_groups is None and self.groups is None:
             # Every position in the plan, None gradients too (sent as empty placeholders):
             # the buckets, their names and members are then the same on every rank, and a
             # gradient that is None on some ranks only is a mismatch named at once, not a
@@ -287,7 +289,10 @@ class GradientReducer:
                                        if g is not None and not local[i]], placeholders)
         else:
             for hid, finish in started:
-                finish(hid)
+                try:
+                    finish(hid)
+                except tf.errors.OpError as e:
+                    raise _naming_members(e, [labels[i] for i in groups[0]] if groups else []) from e
         return out
 
 
@@ -323,6 +328,27 @@ def _placeholder(variable) -> tf.Tensor:
     constant, and the wait that raises the mismatch would not run."""
     empty = tf.zeros([0], _dtype_of(variable) if variable is not None else tf.float32)
     return tf.compat.v1.placeholder_with_default(empty, [None])
+
+
+def _naming_members(error, member_labels: List[str]):
+    """`error`, naming the variables whose shapes differ when the ranks' groups did (the
+    message lists each rank's member shapes, a None gradient as (0,))."""
+    text = error.message
+    if "mismatched group member shapes" not in text or not member_labels:
+        return error
+    try:
+        lists = [ast.literal_eval(m) for m in re.findall(r"had (\[[^\]]*\])", text)]
+    except (ValueError, SyntaxError):
+        return error
+    if len(lists) < 2 or any(len(x) != len(member_labels) for x in lists):
+        return error
+    differ = [member_labels[k] for k in range(len(member_labels))
+              if len({tuple(x[k]) for x in lists}) > 1]
+    if not differ:
+        return error
+    return type(error)(error.node_def, error.op,
+                       f"{text} (the gradients of {', '.join(differ[:8])}"
+                       f"{' and more' if len(differ) > 8 else ''}; (0,): None on that rank)")
 
 
 def _after_every_request(out: List, reduced: List[int], placeholders: List) -> None:

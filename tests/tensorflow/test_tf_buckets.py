@@ -9,6 +9,7 @@ runtime's own timeline: how many requests each step made, and when each bucket w
 handed over (its enqueue op ran) and exchanged.
 """
 import os
+import re
 import tempfile
 import uuid
 
@@ -308,6 +309,57 @@ def overlapped(events, marker) -> int:
     return COMM.allreduce(sum(done < last for done, last in zip(first_done, last_handed)))
 
 
+def bucket_enqueues_waited_for(graph_def, tf1=False) -> int:
+    """How many enqueue ops some op of backprop (not TensorFlow's own ordering: an enqueue,
+    a NoOp, a call, in a tf.function an Identity, which it makes of what it returns) has
+    a control input on, in `graph_def` and every function it holds: bucket_order.py's
+    edges, which make a bucket leave before the layers below it are computed (in TF1
+    graphs the first op of a gradient is often tf.gradients' own Identity)."""
+    ignored = {"HorolitEnqueue", "HorolitAsyncWait", "NoOp", "StatefulPartitionedCall",
+               "PartitionedCall"} | (set() if tf1 else {"Identity"})
+    found = set()
+    for nodes in [graph_def.node] + [f.node_def for f in graph_def.library.function]:
+        enqueues = {n.name for n in nodes if n.op == "HorolitEnqueue"}
+        for n in nodes:
+            if n.op not in ignored:
+                found.update((id(nodes), i[1:]) for i in n.input
+                             if i.startswith("^") and i[1:] in enqueues)
+    return len(found)
+
+
+def traced(fn):
+    """The graph_def of a tf.function's concrete functions (Keras' train_function included)."""
+    fns = [c.cell_contents for c in (fn.__closure__ or ())] if not hasattr(
+        fn, "_list_all_concrete_functions") else [fn]
+    for f in fns:
+        if hasattr(f, "_list_all_concrete_functions"):
+            return f._list_all_concrete_functions()[-1].graph.as_graph_def()
+    raise AssertionError(f"no traced function in {fn}")
+
+
+def enqueue_spread(events, marker) -> float:
+    """The median over steps (all ranks) of the time from a step's first bucket's enqueue
+    to its last, as a share of the time between steps: about backprop's share of the step
+    when each bucket leaves as backprop makes it, near 0 when every enqueue waits for the
+    end of backprop (measured 0.41-0.53 against 0.00-0.21 with bucket_order's edges off,
+    docs/tensorflow.md)."""
+    rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    times = sorted(e["ts"] for e in events
+                   if e.get("name") == "ENQUEUE" and marker in rows[e["tid"]])
+    per_step = len({rows[e["tid"]] for e in events
+                    if e.get("name") == "ENQUEUE" and marker in rows[e["tid"]]})
+    steps = [times[i:i + per_step] for i in range(0, len(times), per_step)]
+    shares = [(s[-1] - s[0]) / (nxt[0] - s[0]) for s, nxt in zip(steps, steps[1:])]
+    return float(np.median(sum(COMM.allgather(shares), [])))
+
+
+def negotiated_afresh(events, marker) -> int:
+    """NEGOTIATE spans of `marker`'s requests that did not hit the response cache."""
+    rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    return sum(1 for e in events if e.get("name") == "NEGOTIATE" and marker in rows[e["tid"]]
+               and not e.get("args", {}).get("cached"))
+
+
 def _overlap_needs():
     if N < 2:
         pytest.skip("needs at least two ranks")
@@ -330,9 +382,13 @@ def test_fit_applies_the_averaged_gradients_and_overlaps():
     if EXPECT:  # later steps: the buckets are cached, the overlap shows
         # Steps after the first start together (the previous one's exchange ends them).
         ds = tf.data.Dataset.from_tensors((x, y)).repeat()
-        _, events = recorded(lambda: model.fit(ds, steps_per_epoch=5, shuffle=False, verbose=0))
+        _, events = recorded(lambda: model.fit(ds, steps_per_epoch=6, shuffle=False, verbose=0))
+        n = expected_requests(tf.float32, [int(np.prod(v.shape)) * 4 for v in model.trainable_variables])
+        assert bucket_enqueues_waited_for(traced(model.train_function)) == n - 1
         assert overlapped(events, "DistributedSGD") >= 1, \
             "no step's first bucket was exchanged before its last was computed"
+        assert enqueue_spread(events, "DistributedSGD") > 0.25, "the buckets left together"
+        assert negotiated_afresh(events, "DistributedSGD") == 0
 
 
 def test_tape_in_a_function_overlaps():
@@ -341,9 +397,15 @@ def test_tape_in_a_function_overlaps():
     model = mlp()
     step = tape_step(model)
     step()
-    _, events = recorded(lambda: [step().numpy() for _ in range(5)])
+    _, events = recorded(lambda: [step().numpy() for _ in range(6)])
+    # Every bucket but the last holds back the rest of backprop (bucket_order.py), so it
+    # leaves as backprop makes it; the steps after the first hit the response cache.
+    n = expected_requests(tf.float32, [int(np.prod(v.shape)) * 4 for v in model.trainable_variables])
+    assert bucket_enqueues_waited_for(traced(step)) == n - 1
     assert overlapped(events, "DistributedGradientTape") >= 1, \
         "no step's first bucket was exchanged before its last was computed"
+    assert enqueue_spread(events, "DistributedGradientTape") > 0.25, "the buckets left together"
+    assert negotiated_afresh(events, "DistributedGradientTape") == 0
 
 
 def test_legacy_optimizer_in_a_tf1_graph_updates_like_numpy_and_overlaps():
@@ -369,14 +431,18 @@ def test_legacy_optimizer_in_a_tf1_graph_updates_like_numpy_and_overlaps():
             _, events = recorded(lambda: sess.run(train))
             got = sess.run(variables)
             if EXPECT:
-                hits = overlapped(recorded(lambda: [sess.run(train) for _ in range(5)])[1],
-                                  "DistributedGradientDescent")
+                later = recorded(lambda: [sess.run(train) for _ in range(6)])[1]
+                hits = overlapped(later, "DistributedGradientDescent")
+                spread = enqueue_spread(later, "DistributedGradientDescent")
+                waited_for = bucket_enqueues_waited_for(sess.graph.as_graph_def(), tf1=True)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
     assert len(requests(events, "DistributedGradientDescent")) == expected_requests(
         tf.float32, [w.nbytes for w in weights])
     if EXPECT:
         assert hits >= 1, "no step's first bucket was exchanged before its last was computed"
+        assert spread > 0.25, "the buckets left together"
+        assert waited_for == expected_requests(tf.float32, [w.nbytes for w in weights]) - 1
 
 
 class FailOnFlag(keras.layers.Layer):
@@ -441,3 +507,203 @@ def test_zz_the_buckets_ran_on_the_exchange_lane_where_the_driver_expects_it():
     assert (rt.lane is not None) == expect, f"lane {rt.lane}, driver expects one: {expect}"
     if expect:
         assert rt.lane.lists > 0
+
+
+# ---- a collective inside backprop (SyncBatchNormalization, hvd.allreduce with a gradient) ----
+
+SBN_WIDTH, SBN_LAYERS, SBN_BATCH = 256, 6, 64
+
+
+def sync_bn_model(norm, seed=11):
+    keras.utils.set_random_seed(seed)
+    layers = [keras.Input((SBN_WIDTH,))]
+    for _ in range(SBN_LAYERS):
+        layers += [keras.layers.Dense(SBN_WIDTH), norm(), keras.layers.Activation("tanh")]
+    return keras.Sequential(layers + [keras.layers.Dense(4)])
+
+
+def sync_bn_data(r):
+    rng = np.random.RandomState(40 + r)
+    return (rng.normal(size=(SBN_BATCH, SBN_WIDTH)).astype(np.float32),
+            rng.normal(size=(SBN_BATCH, 4)).astype(np.float32))
+
+
+def sync_bn_reference(lr):
+    """Plain TensorFlow, no horolite: BatchNormalization over every rank's rows at once
+    (gathered with mpi4py), one SGD step on their mean squared error; with equal
+    batches that is what SyncBatchNormalization and averaged gradients compute."""
+    every = COMM.allgather(sync_bn_data(R))
+    x = np.concatenate([e[0] for e in every])
+    y = np.concatenate([e[1] for e in every])
+    model = sync_bn_model(keras.layers.BatchNormalization)
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return [v.numpy() - lr * g.numpy() for v, g in zip(model.trainable_variables, grads)]
+
+
+def sync_bn_trained(how, **kwargs):
+    """The trainable weights after one step of `how` (tape or fit) on the SyncBN model."""
+    model = sync_bn_model(hvd.SyncBatchNormalization)
+    x, y = sync_bn_data(R)
+    if how == "tape":
+        opt = keras.optimizers.SGD(0.1)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+            tape = hvd.DistributedGradientTape(tape, **kwargs)
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+        _, events = recorded(step)
+        marker = "DistributedGradientTape"
+    else:
+        model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), **kwargs),
+                      loss=keras.losses.MeanSquaredError())
+        _, events = recorded(lambda: model.fit(x, y, batch_size=SBN_BATCH, epochs=1,
+                                               shuffle=False, verbose=0))
+        marker = "DistributedSGD"
+    return [v.numpy() for v in model.trainable_variables], len(requests(events, marker))
+
+
+@pytest.mark.parametrize("how", ["tape", "fit"])
+def test_sync_batch_norm_trains_in_buckets_like_one_batch_and_like_one_group(how):
+    # Its gradient is an allreduce made inside backprop: before the fix the step's graph
+    # had a cycle (the buckets' ordering against tf.function's chain of stateful ops).
+    got, n = sync_bn_trained(how)
+    sizes = [int(np.prod(v.shape)) * 4 for v in sync_bn_model(keras.layers.BatchNormalization).trainable_variables]
+    assert n == expected_requests(tf.float32, sizes)
+    for g, w in zip(got, sync_bn_reference(0.1)):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+    one, _ = sync_bn_trained(how, num_groups=1)
+    for g, o in zip(got, one):
+        if N <= 2:  # the same sums: the same bits
+            np.testing.assert_array_equal(g, o)
+        else:
+            np.testing.assert_allclose(g, o, rtol=1e-5, atol=1e-6)
+
+
+def legacy_forward_allreduce_step(**kwargs):
+    """The legacy optimizer in a TF1 graph whose forward pass averages an activation over
+    the ranks with hvd.allreduce (its gradient is an allreduce inside backprop)."""
+    x, y = data(R)
+    init = legacy_initial()
+    with tf.Graph().as_default():
+        variables = [tf.compat.v1.Variable(w) for w in init]
+        h = tf.constant(x)
+        for k in range(0, len(variables) - 2, 2):
+            h = tf.tanh(h @ variables[k] + variables[k + 1])
+            if k == 2:
+                h = hvd.allreduce(h, name="forward_mean")
+        loss = tf.reduce_mean(tf.square(h @ variables[-2] + variables[-1] - y))
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.05), **kwargs)
+        train = opt.minimize(loss, var_list=variables)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for _ in range(2):
+                sess.run(train)
+            return sess.run(variables), [w.nbytes for w in init]
+
+
+def test_legacy_optimizer_with_an_allreduce_inside_backprop_trains_like_one_group():
+    got, sizes = legacy_forward_allreduce_step()
+    one, _ = legacy_forward_allreduce_step(num_groups=1)
+    assert all(np.all(np.isfinite(g)) for g in got)
+    for g, o in zip(got, one):
+        if N <= 2:
+            np.testing.assert_array_equal(g, o)
+        else:
+            np.testing.assert_allclose(g, o, rtol=1e-5, atol=1e-6)
+    # ... and the weights of the layers below the allreduce moved (its gradient reached them)
+    assert not np.array_equal(got[0], legacy_initial()[0])
+
+
+def legacy_initial():
+    return [np.random.RandomState(20 + k).normal(0, 0.05, size=s).astype(np.float32)
+            for k, s in enumerate([(WIDTH, WIDTH), (WIDTH,)] * 4 + [(WIDTH, 4), (4,)])]
+
+
+def test_a_collective_near_the_output_still_lets_the_buckets_below_it_leave_early():
+    # SyncBatchNormalization after the last hidden layer only: its gradient's collective
+    # comes first in backprop, and every bucket below it is still held in backprop's order.
+    _overlap_needs()
+    if not EXPECT:
+        pytest.skip("one request per step in this run")
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((WIDTH,))] +
+                             [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(LAYERS)] +
+                             [hvd.SyncBatchNormalization(), keras.layers.Dense(4)])
+    step = tape_step(model)
+    step()
+    n = expected_requests(tf.float32, [int(np.prod(v.shape)) * 4 for v in model.trainable_variables])
+    assert bucket_enqueues_waited_for(traced(step)) >= n - 2
+
+
+# ---- gradients that are None on some ranks only ----
+
+def skipping_model():
+    keras.utils.set_random_seed(17)
+    layers = [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(5)] + [keras.layers.Dense(4)]
+    return keras.Sequential([keras.Input((WIDTH,))] + layers), layers
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_gradient_none_on_one_rank_only_fails_every_rank_at_once_naming_it(mode):
+    # Rank 1 skips a middle layer (a data-dependent branch eagerly, a rank-dependent trace
+    # in a function): its gradients there are None. With buckets this waited for ever (the
+    # buckets were cut and named differently); now every rank gets the mismatch at once,
+    # naming the variable and both ranks, and the runtime works afterwards.
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+    model, layers = skipping_model()
+    x = tf.constant(data(R)[0])
+
+    def step(skip):
+        with tf.GradientTape() as tape:
+            h = x
+            for k, layer in enumerate(layers):
+                if not (skip and k == 2):
+                    h = layer(h)
+            loss = tf.reduce_mean(h)
+        return hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+    run = step if mode == "eager" else tf.function(step)
+    with pytest.raises(tf.errors.OpError, match=r"mismatched .*shapes?: ranks? 0(, \d+)* had .*rank 1 had") as info:
+        run(R == 1)
+    # A None gradient travels as shape (0,) in its place: the message shows which it is
+    # (and names it where it is the first of its bucket, as here with small buckets).
+    assert "(0,)" in str(info.value)
+    if mode == "eager":  # one request, and the error names the variables themselves
+        skipped = layers[2].name
+        assert re.search(rf"the gradients of \S*{skipped}/kernel, \S*{skipped}/bias;", str(info.value))
+    got = (step if mode == "eager" else tf.function(step))(False)  # every rank whole again
+    assert all(g is not None for g in got)
+
+
+def test_a_gradient_none_on_every_rank_stays_none_in_buckets():
+    model, layers = skipping_model()
+    x = tf.constant(data(R)[0])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            h = x
+            for k, layer in enumerate(layers):
+                if k != 2:
+                    h = layer(h)
+            loss = tf.reduce_mean(h)
+        return hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+    got = step()
+    assert [g is None for g in got] == [k in (4, 5) for k in range(len(got))]
+    with tf.GradientTape() as tape:  # plain TensorFlow, this rank's own gradients
+        h = x
+        for k, layer in enumerate(layers):
+            if k != 2:
+                h = layer(h)
+        loss = tf.reduce_mean(h)
+    local = tape.gradient(loss, model.trainable_variables)
+    every = COMM.allgather([None if g is None else g.numpy().astype(np.float64) for g in local])
+    for k, g in enumerate(got):
+        if g is not None:
+            np.testing.assert_allclose(g.numpy(), np.mean([e[k] for e in every], axis=0),
+                                       rtol=1e-5, atol=1e-6)
