@@ -465,37 +465,121 @@ class FailOnFlag(keras.layers.Layer):
         return identity(x)
 
 
+PEER_FAILED = (r"rank 1 will never send it: its previous run of this step failed there "
+               r"after \d+ of \d+ buckets had left")
+
+
+def same_on_every_rank(variables, what):
+    """Every rank holds the same values of `variables` (gathered with mpi4py)."""
+    mine = [np.asarray(v) for v in variables]
+    every = COMM.allgather(mine)
+    for r, theirs in enumerate(every):
+        for k, (a, b) in enumerate(zip(theirs, every[0])):
+            np.testing.assert_array_equal(a, b, err_msg=f"{what} {k}: rank {r} differs from rank 0")
+
+
+def failing_model(flag):
+    keras.utils.set_random_seed(5)
+    return keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(WIDTH, activation="tanh"),
+                             FailOnFlag(flag)] +
+                            [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(LAYERS)] +
+                            [keras.layers.Dense(4)])
+
+
+def fail_on_rank_1(run, flag, times=1):
+    """run() fails `times` times in a row on every rank (rank 1: its own op's error; the
+    others: naming rank 1), then works everywhere."""
+    for _ in range(times):
+        flag.assign(1.0 if R == 1 else 0.0)
+        if R == 1:
+            with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
+                run()
+        else:
+            with pytest.raises(tf.errors.OpError, match=PEER_FAILED):
+                run()
+    flag.assign(0.0)
+    run()
+
+
 def test_a_rank_failing_after_its_first_bucket_left_fails_the_step_everywhere_then_works():
+    # Twice in a row: the second run's notices wait behind the first's. No rank applies
+    # any of a failed step: afterwards every weight and the optimizer's own variables
+    # (iterations, momentum) are the same on every rank.
     if N < 2:
         pytest.skip("needs at least two ranks")
     flag = tf.Variable(0.0, trainable=False)
-    keras.utils.set_random_seed(5)
-    model = keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(WIDTH, activation="tanh"),
-                              FailOnFlag(flag)] +
-                             [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(LAYERS)] +
-                             [keras.layers.Dense(4)])
-    step = tape_step(model)
+    model = failing_model(flag)
+    opt = keras.optimizers.SGD(0.01, momentum=0.9)
+    x, y = (tf.constant(a) for a in data(R))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables))
     step()
     sizes = [int(np.prod(v.shape)) * 4 for v in model.trainable_variables]
     assert expected_requests(tf.float32, sizes) >= 2, "the driver runs this case with buckets"
-    flag.assign(1.0 if R == 1 else 0.0)
-    if R == 1:  # the cause, here: its own op's error
-        with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
-            step()
-        flag.assign(0.0)
-        step()  # its next step tells the others, then works
-    else:  # the others: the step fails naming rank 1 and why
-        with pytest.raises(tf.errors.FailedPreconditionError,
-                           match=r"rank 1 will never send it: its previous run of this step "
-                                 r"failed there after \d+ of \d+ buckets had left"):
-            step()
-        step()
-    # ... and the steps after that are whole again: equal weights everywhere
+    fail_on_rank_1(step, flag, times=2)
     step()
-    w = model.trainable_variables[0].numpy()
-    every = COMM.allgather(w)
-    for other in every:
-        np.testing.assert_array_equal(other, every[0])
+    same_on_every_rank([v.numpy() for v in model.trainable_variables], "weight")
+    same_on_every_rank([v.numpy() for v in opt.variables], "optimizer variable")
+
+
+def test_fit_failing_on_one_rank_after_its_first_bucket_left_changes_no_rank():
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+    flag = tf.Variable(0.0, trainable=False)
+    model = failing_model(flag)
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9)),
+                  loss=keras.losses.MeanSquaredError())
+    x, y = data(R)
+
+    def run():
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    run()
+    fail_on_rank_1(run, flag)
+    run()
+    same_on_every_rank([v.numpy() for v in model.trainable_variables], "weight")
+    same_on_every_rank([v.numpy() for v in model.optimizer.variables], "optimizer variable")
+    assert int(model.optimizer.iterations.numpy()) == 3  # the failed step counted nowhere
+
+
+def test_the_legacy_optimizer_failing_on_one_rank_after_its_first_bucket_left_changes_no_rank():
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+    x, y = data(R)
+    with tf.Graph().as_default():
+        flag = tf.compat.v1.Variable(0.0, trainable=False)
+        variables = [tf.compat.v1.Variable(w) for w in legacy_initial()]
+        h = tf.constant(x)
+        for k in range(0, len(variables) - 2, 2):
+            h = tf.tanh(h @ variables[k] + variables[k + 1])
+            if k == 0:
+                h = FailOnFlag(flag)(h)
+        loss = tf.reduce_mean(tf.square(h @ variables[-2] + variables[-1] - y))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(0.01, 0.9))
+        train = opt.minimize(loss, var_list=variables, global_step=step)
+        raise_flag, lower_flag = flag.assign(1.0 if R == 1 else 0.0), flag.assign(0.0)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(train)
+            sess.run(raise_flag)
+            if R == 1:
+                with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
+                    sess.run(train)
+            else:
+                with pytest.raises(tf.errors.OpError, match=PEER_FAILED):
+                    sess.run(train)
+            sess.run(lower_flag)
+            sess.run(train)
+            sess.run(train)
+            state = sess.run(tf.compat.v1.global_variables())
+            assert sess.run(step) == 3  # the failed step counted nowhere
+    same_on_every_rank(state, "variable (weights, momentum slots, global step)")
 
 
 def test_zz_the_buckets_ran_on_the_exchange_lane_where_the_driver_expects_it():
