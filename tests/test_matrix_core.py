@@ -19,11 +19,15 @@ VARIANTS = {
     # Agreed allreduces on the exchange lane's thread (on by default only across hosts).
     "lane": {"HOROLITE_EXCHANGE_PIPELINE": "1"},
     "lane-mpi-ring": {"HOROLITE_EXCHANGE_PIPELINE": "1", "HOROLITE_SHARED_MEMORY": "0"},
+    # ... with rank 0 moving the fusion threshold while lists wait in the lane (the
+    # cycle time held, so the threshold's turn comes at once).
+    "lane-autotune": {"HOROLITE_EXCHANGE_PIPELINE": "1", "HOROLITE_SHARED_MEMORY": "0",
+                      "HOROLITE_AUTOTUNE": "1", "HOROLITE_CYCLE_TIME": "1"},
 }
 
 
 @pytest.mark.parametrize("np_", RANK_COUNTS)
-@pytest.mark.parametrize("variant", sorted(set(VARIANTS) - {"lane"}))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_collectives(np_, variant):
     run_pytest_file(os.path.join(PARALLEL, "test_collectives.py"), np_, VARIANTS[variant])
 
@@ -39,7 +43,8 @@ def test_lifecycle(np_, variant):
 
 
 @pytest.mark.parametrize("np_,variant", [(n, "lane") for n in RANK_COUNTS]
-                         + [(3, "lane-mpi-ring")] + [(n, "pretend-hosts") for n in (2, 4)])
+                         + [(3, "lane-mpi-ring")] + [(n, "lane-autotune") for n in RANK_COUNTS]
+                         + [(n, "pretend-hosts") for n in (2, 4)])
 def test_exchange_lane(np_, variant):
     env = ({"HOROLITE_TEST_HOST_IDENTITY": "1+1" if np_ == 2 else "2+2"}
            if variant == "pretend-hosts" else VARIANTS[variant])  # there `auto` turns it on
@@ -71,6 +76,25 @@ def test_the_lane_is_on_across_hosts_by_default(env, on, tmp_path):
                           env=dict(os.environ, **env))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(tmp_path / f"lane.{r}").read_text() for r in range(2)] == [str(on)] * 2
+
+
+@pytest.mark.parametrize("env,warned", [({"HOROLITE_TEST_HOST_IDENTITY": "1+1"}, True),
+                                        ({"HOROLITE_EXCHANGE_PIPELINE": "1"}, True), ({}, False)])
+def test_block_wait_mode_where_the_lane_polls_is_a_warning(env, warned, tmp_path):
+    import subprocess
+    import sys
+    from mpirun import mpirun_command
+    from horolite.transport.mpi import oversubscribed
+    if "HOROLITE_TEST_HOST_IDENTITY" not in env and oversubscribed(2):
+        warned = False  # block was ignored already, with the other warning (ranks > cores)
+    proc = subprocess.run(mpirun_command(2) + [sys.executable, "-c", LANE_SCRIPT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=dict(os.environ, HOROLITE_WAIT_MODE="block", **env))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(tmp_path / f"lane.{r}").read_text() for r in range(2)] == [str(bool(env))] * 2
+    said = [line.split("rank ")[1][0] for line in proc.stderr.splitlines()
+            if "WAIT_MODE=block ignored: the exchange lane" in line]
+    assert sorted(said) == (["0", "1"] if warned else []), proc.stderr[-3000:]  # once each
 
 
 EXIT_SCRIPT = """

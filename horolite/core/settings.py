@@ -146,7 +146,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("WAIT_MODE", ("poll", "block"), "poll",
             "how the background thread waits on MPI: `poll` spins briefly, then sleeps (leaves "
             "cores to the framework's threads); `block` waits inside MPI (lowest latency when "
-            "every rank has a spare core; ignored when ranks outnumber cores)",
+            "every rank has a spare core; ignored, with a warning, when ranks outnumber cores or "
+            "where agreed allreduces run on a thread of their own, as by default across hosts: "
+            "see HOROLITE_EXCHANGE_PIPELINE)",
             "wait_mode", "--wait-mode"),
     Setting("SHARED_MEMORY", bool, True,
             "when every rank is on one host, allreduce goes through a window of shared memory "

@@ -103,10 +103,15 @@ class Executor:
         """Rank 0's value, adopted by every rank at the same cycle."""
         self.fusion_threshold = threshold
 
-    def run(self, responses: Sequence[Response], entries: Sequence[Optional[Entry]]) -> int:
-        """Execute the responses in order; returns the bytes allreduced (autotune's measure)."""
+    def run(self, responses: Sequence[Response], entries: Sequence[Optional[Entry]],
+            threshold: Optional[int] = None, batch_done=None) -> int:
+        """Execute the responses in order; returns the bytes allreduced (autotune's measure).
+        threshold: the fusion threshold of the cycle that agreed the list (default: the
+        current one), for a list run after this rank adopted another (execution/lane.py);
+        batch_done(n): called as each batch of n responses ends."""
         reduced = 0
-        for lo, hi, layout in self._plan(responses):
+        plan = self._plan(responses, self.fusion_threshold if threshold is None else threshold)
+        for lo, hi, layout in plan:
             batch, batch_entries = responses[lo:hi], entries[lo:hi]
             first = batch[0]
             self.transport.doing(f"tensor '{first.name}'" if hi - lo == 1 else
@@ -142,19 +147,21 @@ class Executor:
             except HorovodInternalError as e:
                 for resp, entry in zip(batch, batch_entries):
                     self.complete(resp, entry, error=e)
+            if batch_done is not None:
+                batch_done(hi - lo)
         return reduced
 
-    def _plan(self, responses: Sequence[Response]):
-        """[(start, stop, layout)]: plan_spans, with the layout of each fused host
-        allreduce, remembered for the last few response lists: cached responses come
-        back as the same objects every step, and planning costs per tensor."""
-        key = (self.fusion_threshold, tuple(map(id, responses)))
+    def _plan(self, responses: Sequence[Response], threshold: int):
+        """[(start, stop, layout)]: plan_spans with `threshold`, with the layout of each
+        fused host allreduce, remembered for the last few response lists: cached responses
+        come back as the same objects every step, and planning costs per tensor."""
+        key = (threshold, tuple(map(id, responses)))
         hit = self._plans.get(key)
         current = tuple(responses)
         if hit is not None and hit[0] == current:  # identical objects: same plan
             return hit[1]
         plan = []
-        for lo, hi in plan_spans(current, _nbytes, self.fusion_threshold):
+        for lo, hi in plan_spans(current, _nbytes, threshold):
             first = current[lo]
             fused = (hi - lo > 1 and first.kind == Kind.ALLREDUCE and first.error is None
                      and first.device == "cpu")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Optional, Sequence
 
 from ..core.messages import Kind, Response
@@ -73,22 +74,31 @@ class ExchangeLane:
         self._closed = False
         self.error: Optional[BaseException] = None
         self._raised = False
-        self.holding = 0  # entries in the lists not yet run: no cycle need wait on them
+        self.holding = 0  # entries handed over whose batch has not run: no cycle need wait on them
         self.reduced = 0  # bytes allreduced since the background thread last took them
         self.lists = 0  # agreed lists the lane ran (tests read it)
         # Lists handed over while an earlier one was still running: agreed in flight.
         self.handed_while_busy = 0
+        # Lists already waiting when the one before them ended, so started straight
+        # after it on this thread, with no cycle between; the last one's gap (seconds)
+        # from that end to its start. Tests read both: the next bucket follows at once.
+        self.followed = 0
+        self.follow_gap: Optional[float] = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     # ---- background thread ----
     def submit(self, responses, entries) -> None:
+        """Hand over a list agreed this cycle, with this cycle's fusion threshold: by the
+        time the lane runs it, this rank may have adopted another (autotune), at another
+        list than its peers, and the ranks must fuse alike."""
+        threshold = self._executor.fusion_threshold
         with self._cond:
             while len(self._jobs) >= DEPTH and self.error is None and not self._closed:
                 self._cond.wait(0.05)
             self.check()
             self.handed_while_busy += self._busy
-            self._jobs.append((list(responses), list(entries)))
+            self._jobs.append((list(responses), list(entries), threshold))
             self.holding += len(entries)
             self._cond.notify_all()
 
@@ -115,7 +125,8 @@ class ExchangeLane:
         """Whether `queue` holds work beyond the lane's: what a cycle must move on.
         While the lane alone has work, this rank has no news for a control round, and
         rests between cycles as an idle rank does, rather than spend the cores that
-        backprop and the exchange need on empty rounds."""
+        backprop and the exchange need on empty rounds. (`holding` drops batch by batch,
+        as entries leave the queue: else work that came meanwhile would look idle.)"""
         return queue.inflight_count() > self.holding
 
     def take_reduced(self) -> int:
@@ -131,17 +142,31 @@ class ExchangeLane:
             self._cond.notify_all()
 
     # ---- the lane's thread ----
+    def _batch_done(self, count: int) -> None:
+        """A batch's entries left the queue. Work beyond the lane's that looked idle
+        until now (the background thread may have rested on it) rings the wake-up."""
+        queue = self._executor.queue
+        looked_idle = not self.leaves_waiting(queue)
+        with self._cond:
+            self.holding -= count
+        if looked_idle and self.leaves_waiting(queue):
+            self._wake.set()
+
     def _loop(self) -> None:
+        ended = None  # when the last list ended, if the next one was waiting by then
         while True:
             with self._cond:
                 while not self._jobs and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     return
-                responses, entries = self._jobs.popleft()
+                responses, entries, threshold = self._jobs.popleft()
                 self._busy = True
+            if ended is not None:
+                self.follow_gap = time.monotonic() - ended
+                self.followed += 1
             try:
-                reduced = self._executor.run(responses, entries)
+                reduced = self._executor.run(responses, entries, threshold, self._batch_done)
             except BaseException as e:  # raised again on the background thread
                 if not self._closed:
                     _log.debug("rank %d: exchange lane stopped: %r", self._executor.rank, e)
@@ -153,9 +178,11 @@ class ExchangeLane:
                     self._cond.notify_all()
                 self._wake.set()
                 return
+            ended = time.monotonic()
             with self._cond:
                 self._busy = False
-                self.holding -= len(entries)
                 self.reduced += reduced
                 self.lists += 1
+                if not self._jobs:
+                    ended = None
                 self._cond.notify_all()

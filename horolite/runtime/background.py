@@ -155,8 +155,15 @@ class Runtime(JobEnd):
                                             cfg.stall_shutdown_time_seconds,
                                             not cfg.stall_check_disable, self.heartbeat)
             control_watch.also = self.lane.check
-            self.transport.split_control(control_watch)
+            self.transport.split_control(control_watch)  # (both threads poll)
             self.pacing.waiting = self._waiting
+            if cfg.wait_mode == "block" and not polite and leader is None:
+                _log.warning("rank %d: HOROLITE_WAIT_MODE=block ignored: the exchange lane "
+                             "(HOROLITE_EXCHANGE_PIPELINE) waits on MPI on a thread of its own, "
+                             "so both threads poll (a blocked wait would hold the one receive "
+                             "failure notices arrive on); HOROLITE_EXCHANGE_PIPELINE=0 keeps "
+                             "blocking", self.rank)
+            polite = True  # (as the log line below says)
         # Small cached allreduces ride in the board's control round (execution/carried.py).
         self.carrier = (Carrier(self.transport.board, self.executor)
                         if self.transport.board is not None and self.cache.capacity else None)

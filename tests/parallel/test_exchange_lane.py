@@ -4,8 +4,10 @@ Agreed allreduces run on a thread of their own, while the background thread agre
 the next ones. Run where the lane is on (HOROLITE_EXCHANGE_PIPELINE=1 on this host,
 or pretend hosts, where `auto` turns it on): every result is checked against NumPy
 from each rank's known inputs, with broadcasts, gathers and errors (which run on the
-background thread once the lane is empty) in between.
+background thread once the lane is empty) in between, and (HOROLITE_AUTOTUNE=1) while
+rank 0 moves the fusion threshold.
 """
+import contextlib
 import time
 
 import numpy as np
@@ -102,23 +104,116 @@ def test_other_collectives_between_allreduces_keep_the_agreed_order():
     assert ln.lists > before
 
 
-def test_the_next_allreduce_is_agreed_while_one_is_in_flight():
+class HookedExecutor:
+    """The lane's executor with `before()` called as the lane starts each list;
+    everything else is the executor's."""
+
+    def __init__(self, executor, before):
+        self.executor, self.before = executor, before
+
+    def __getattr__(self, name):
+        return getattr(self.executor, name)
+
+    def run(self, *args):
+        self.before()
+        return self.executor.run(*args)
+
+
+@contextlib.contextmanager
+def before_each_list(before):
+    ln = RT.lane
+    ln._executor = HookedExecutor(ln._executor, before)
+    try:
+        yield
+    finally:
+        ln._executor = ln._executor.executor
+
+
+def test_the_next_allreduce_agreed_while_one_is_in_flight_follows_it_at_once():
     ln = lane()
-    before = ln.handed_while_busy
-    big = data(R, 5, 8 << 20, np.float32)  # 32 MiB: tens of milliseconds in the lane
-    first = hvd.allreduce_async(big, name="lane.big", op=hvd.Sum)
+    before = (ln.handed_while_busy, ln.followed)
+    big = np.full(8 << 20, R + 1, np.float32)  # 32 MiB: tens of milliseconds in the lane
+    held = []
+
+    def hold_the_first_until_the_next_is_handed_over():
+        # (so that on every rank one is agreed while the big one is in flight, however
+        # late a rank's caller comes)
+        deadline = time.monotonic() + 30
+        while not held and not ln._jobs and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        held.append(True)
+
+    with before_each_list(hold_the_first_until_the_next_is_handed_over):
+        first = hvd.allreduce_async(big, name="lane.big", op=hvd.Sum)
+        until_handed_over(first)
+        handed = time.monotonic()
+        small = data(R, 6, 1000, np.float64)
+        second = hvd.allreduce_async(small, name="lane.after_big", op=hvd.Sum)
+        np.testing.assert_array_equal(hvd.synchronize(first),
+                                      np.full(8 << 20, N * (N + 1) / 2, np.float32))
+        took = time.monotonic() - handed  # the big one's time in the lane, and more
+        np.testing.assert_allclose(hvd.synchronize(second),
+                                   sum(data(r, 6, 1000, np.float64) for r in range(N)))
+    # On every rank (gathered with mpi4py, not horolite): the small one was handed over
+    # while the big one ran, and the lane started it straight after the big one ended,
+    # on its own thread (no cycle, no control round between), within a sliver of the
+    # big one's own time.
+    seen = MPI.COMM_WORLD.allgather((ln.handed_while_busy - before[0], ln.followed - before[1],
+                                     ln.follow_gap, took))
+    for rank, (handed_over, followed, gap, took) in enumerate(seen):
+        assert handed_over == 1 and followed == 1, (rank, seen)
+        assert gap < took / 4, (rank, seen)
+
+
+def wave_while_a_big_one_holds_the_lane(groups, big):
+    """One 32 MiB allreduce, and while the lane runs it, `groups` of small allreduces,
+    the members of a group submitted at once, the groups a few milliseconds apart; then,
+    once it is done, the groups again, while the lane works through the first ones: lists
+    agreed while earlier ones wait in the lane, and start. The same names each wave, as a
+    step's; every result checked exactly."""
+    first = hvd.allreduce_async(big + R, name="lane.tune.big", op=hvd.Sum)
     until_handed_over(first)
-    small = data(R, 6, 1000, np.float64)
-    second = hvd.allreduce_async(small, name="lane.after_big", op=hvd.Sum)
-    np.testing.assert_allclose(hvd.synchronize(first),
-                               sum(data(r, 5, 8 << 20, np.float32).astype(np.float64)
-                                   for r in range(N)), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(hvd.synchronize(second),
-                               sum(data(r, 6, 1000, np.float64) for r in range(N)))
-    # Handed to the lane while the big one still ran there: on every rank, unless a rank
-    # came late; one is enough to show it (gathered with mpi4py, not horolite).
-    handed = MPI.COMM_WORLD.allgather(ln.handed_while_busy - before)
-    assert max(handed) >= 1, handed
+    handles = []
+    for k in range(2):
+        for g, group in enumerate(groups):
+            mine = [base + R for base in group]  # (made before: the members leave together)
+            handles += [(base, hvd.allreduce_async(x, name=f"lane.tune.{k}.{g}.{i}", op=hvd.Sum))
+                        for i, (base, x) in enumerate(zip(group, mine))]
+            time.sleep(0.005)
+        if k == 0:
+            np.testing.assert_array_equal(hvd.synchronize(first), N * big + N * (N - 1) / 2)
+    for base, h in handles:
+        np.testing.assert_array_equal(hvd.synchronize(h), N * base + N * (N - 1) / 2)
+
+
+def test_fusion_stays_alike_on_every_rank_while_autotune_moves_the_threshold():
+    # Lists of 1.5, 6 and 12 MiB: each fused one way below a threshold among 1, 4 and
+    # 16 MiB and another above it. Each rank's lane runs a list later than the cycle that
+    # agreed it, by its own lag (here rank 0's starts each list 50 ms after the others'):
+    # planned with the threshold of that cycle, the ranks fuse alike (else a ring carries
+    # messages of different sizes: a wrong sum, or an error).
+    ln = lane()
+    before = ln.lists
+    tuner = RT.autotuner  # rank 0's; the others follow its setting
+    groups = [[(np.arange(n, dtype=np.float32) % 61) + g + i for i in range(count)]  # exact
+              for g, (count, n) in enumerate([(6, 64 << 10), (6, 256 << 10), (3, 1 << 20)] * 3)]
+    big = np.ones(8 << 20, np.float32)
+    thresholds, wave, deadline = set(), 0, time.monotonic() + 60
+    while True:
+        with before_each_list(lambda: time.sleep(0.05 if R == 0 else 0)):
+            wave_while_a_big_one_holds_the_lane(groups, big)
+        thresholds.add(RT.executor.fusion_threshold)
+        wave += 1
+        # (rank 0 decides for all: until autotune settles, or 3 waves where it is off)
+        go_on = tuner is not None and not tuner.done and time.monotonic() < deadline \
+            if RT.config.autotune else wave < 3
+        if not MPI.COMM_WORLD.bcast(go_on if R == 0 else None, root=0):
+            break
+    assert ln.lists > before
+    if RT.config.autotune:
+        assert MPI.COMM_WORLD.bcast(tuner.done if R == 0 else None, root=0), \
+            "autotune did not settle within 60 s"
+        assert len(thresholds) >= 3, thresholds  # it moved the threshold meanwhile
 
 
 def test_a_mismatch_is_named_on_every_rank_then_the_lane_works():
