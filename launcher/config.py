@@ -105,6 +105,8 @@ def config_from_args(args: argparse.Namespace,
                               for flag in ("--mpi-args", "--binding-args"))
     output = os.path.abspath(args.output_filename) if args.output_filename else None
     nics = ",".join(args.network_interface) if args.network_interface else None
+    if nics and not any(prefix + "TCP_IFACE" in env for prefix in settings.PREFIXES):
+        env["HOROLITE_TCP_IFACE"] = nics.split(",")[0]  # horolite's own connections too
     start_timeout = flags.launcher_value("START_TIMEOUT", args.start_timeout, environ, 30.0)
     return LaunchConfig(command=tuple(command), num_proc=num_proc, hosts=host_list,
                         env=tuple(env.items()), mpi_args=mpi_args,

@@ -264,3 +264,30 @@ def test_stragglers(np_, variant):
 def test_pretend_hosts_stragglers(layout):
     run_pytest_file(os.path.join(PARALLEL, "test_stragglers.py"), ranks_of(layout),
                     dict(STRAGGLERS, HOROLITE_TEST_HOST_IDENTITY=layout))
+
+
+# horolite's own TCP connections between hosts (transport/tcp.py), on pretend hosts over
+# loopback: the transport's own tests, then the runtime's over it.
+TCP_LAYOUTS = {2: "1+1", 3: "1+1+1", 4: "2+2"}
+
+
+def tcp_env(layout):
+    return {"HOROLITE_TEST_HOST_IDENTITY": layout, "HOROLITE_CROSS_HOST_TRANSPORT": "tcp"}
+
+
+@pytest.mark.parametrize("np_,layout", sorted(TCP_LAYOUTS.items()) + [(4, "2+1+1")])
+def test_tcp_link(np_, layout):
+    run_pytest_file(os.path.join(PARALLEL, "test_tcp_link.py"), np_,
+                    {"HOROLITE_TEST_HOST_IDENTITY": layout})
+
+
+@pytest.mark.parametrize("np_", sorted(TCP_LAYOUTS))
+def test_collectives_over_tcp(np_):
+    run_pytest_file(os.path.join(PARALLEL, "test_collectives.py"), np_,
+                    tcp_env(TCP_LAYOUTS[np_]))
+
+
+@pytest.mark.parametrize("np_,test", [(2, "test_exchange_lane.py"), (4, "test_exchange_lane.py"),
+                                      (3, "test_errors.py"), (3, "test_lifecycle.py")])
+def test_runtime_over_tcp(np_, test):
+    run_pytest_file(os.path.join(PARALLEL, test), np_, tcp_env(TCP_LAYOUTS[np_]))

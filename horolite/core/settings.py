@@ -187,6 +187,30 @@ SETTINGS: Tuple[Setting, ...] = (
             "at once; on the background thread on one host; `1` always a thread of their "
             "own, `0` never (needs MPI's THREAD_MULTIPLE)",
             "exchange_pipeline"),
+    Setting("CROSS_HOST_TRANSPORT", ("auto", "tcp", "mpi"), "mpi",
+            "what carries the ring's pieces between hosts: `tcp` horolite's own TCP connections "
+            "(threads that sleep in the kernel while the network works: waiting costs no CPU), "
+            "`mpi` MPI's point-to-point messages (waits poll MPI), `auto` `tcp` unless a host "
+            "has an RDMA device (/sys/class/infiniband), then `mpi`; one host always uses shared "
+            "memory (see Many hosts)",
+            "cross_host_transport", "--cross-host-transport"),
+    Setting("TCP_IFACE", str, "",
+            "the network interface horolite's TCP connections listen and connect on (e.g. "
+            "`eth0`); unset: a peer's address on a network this host is on "
+            "(`horolite-run --network-interface` sets it)",
+            "tcp_iface"),
+    Setting("TCP_STREAMS", int, 1,
+            "TCP connections to each ring neighbour; pieces take turns on them (for a link one "
+            "stream cannot fill)",
+            "tcp_streams"),
+    Setting("TCP_PORT_RANGE", str, "",
+            "ports horolite's TCP connections may listen on, e.g. `40000-40100` (for a "
+            "firewall); unset: any free port",
+            "tcp_port_range"),
+    Setting("TCP_TIMEOUT_SECONDS", float, 30.0,
+            "how long setting up the TCP connections may take at init before every rank fails "
+            "with an error naming the hosts and the address tried",
+            "tcp_timeout_seconds"),
     Setting("TF_NATIVE_OPS", bool, True,
             "`horolite.tensorflow`: in graphs, hand tensors to the runtime and wait for results "
             "in two small native TensorFlow ops, built on first use (no Python on TensorFlow's "

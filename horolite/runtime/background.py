@@ -49,6 +49,7 @@ from ..transport.control_board import open_control_board
 from ..transport.host_control import open_host_control
 from ..failure.shm_files import report_to_launcher as report_shm_files
 from ..transport.hierarchical import open_hierarchical
+from ..transport import tcp
 from ..transport.nccl import create_nccl_transport
 
 __all__ = ["Runtime", "Topology"]
@@ -129,6 +130,15 @@ class Runtime(JobEnd):
         doorbell = (board or self.transport.host_control or self.queue).wake
         if doorbell is not None:  # peers entering a round ring it too
             self.queue.wake = doorbell
+        # Across hosts the rings' pieces may travel over horolite's own TCP connections
+        # (transport/tcp.py): a lost one ends the job from the next cycle, woken for it.
+        use_tcp, why = tcp.choose(cfg.cross_host_transport, comm, len(set(hostnames)) > 1)
+        if use_tcp:
+            tcp.attach(self.transport, comm, hostnames, self.failures.where, cfg)
+            self.transport.cross_host.on_lost = self.queue.wake.set
+        if self.rank == 0 and len(set(hostnames)) > 1:
+            _log.info("rank %d: across hosts the rings' pieces travel over %s: %s", self.rank,
+                      "horolite's TCP connections" if use_tcp else "MPI", why)
         self.cache = ResponseCache(cfg.cache_capacity)
         self.timeline = (open_timeline(cfg.timeline, self.rank) if leader is None else
                          SetTimeline(leader, timeline_prefix))
@@ -206,6 +216,7 @@ class Runtime(JobEnd):
             self.set_comm = comm.Dup()
         _log.info("rank %d: allreduce %s", self.rank,
                   "through shared memory (every rank on this host)" if shared is not None
+                  else "over the ring of TCP messages" if self.transport.cross_host is not None
                   else "over the ring of MPI messages")
         self._thread = threading.Thread(target=self._loop, name=f"horolite-background-{self.rank}"
                                         + (f"-{set_label}" if set_label else ""),
@@ -314,6 +325,8 @@ class Runtime(JobEnd):
             self.lane.check()  # what the exchange lane met ends the job from here
         if self.links is not None:
             self.links.check()  # before anything makes MPI progress (failure/links.py)
+        if self.transport.cross_host is not None:
+            self.transport.cross_host.check()  # a TCP connection to a peer closed
         notice = self.failures.check(now) or self.failures.sent
         if notice is not None:
             raise PeerFailure(notice)

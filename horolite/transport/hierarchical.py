@@ -83,6 +83,8 @@ class Hierarchical:
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
         self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
         self._waiter = waiter
+        # What waits on the rings' requests: the MPI waiter, or a TCP link (transport/tcp.py).
+        self.driver = waiter
 
     def allreduce(self, buf: np.ndarray, op, postscale: float) -> None:
         """Reduce `buf` (1-D, contiguous) in place over every rank of every host."""
@@ -90,7 +92,7 @@ class Hierarchical:
             return
         chunks = even_bounds(buf.size, max(1, -(-buf.nbytes // CHUNK_BYTES)))
         lanes = list(range(IN_FLIGHT))  # scratch of the rings, one per chunk in flight
-        drive(self._waiter, (self._chunk(buf[lo:hi], c, op, postscale, lanes)
+        drive(self.driver, (self._chunk(buf[lo:hi], c, op, postscale, lanes)
                              for c, (lo, hi) in enumerate(zip(chunks, chunks[1:]))), IN_FLIGHT)
 
     def _chunk(self, part: np.ndarray, c: int, op, postscale: float, lanes) -> Iterator:

@@ -244,6 +244,9 @@ class MPITransport:
         # hosts across several hosts; None: the flat ring.
         self.hierarchical_allreduce = None
         self.hierarchical_allgather = None
+        # transport.tcp.TcpMesh when the rings' pieces cross hosts over horolite's own TCP
+        # connections (the rings' links are then tcp_link.TcpLink), else None.
+        self.cross_host = None
         # Which path served each allreduce and allgather (one add each): how tests see
         # that a setting or a host layout took effect.
         self.paths = {"shared_memory": 0, "hierarchical": 0, "ring": 0,
@@ -394,6 +397,9 @@ class MPITransport:
                      if h is not None}.values():
             hier.close()
         self.hierarchical_allreduce = self.hierarchical_allgather = None
+        if self.cross_host is not None:
+            self.cross_host.close()
+            self.cross_host = None
         for comm in (self.data_comm, self.control_comm):
             try:
                 comm.Free()

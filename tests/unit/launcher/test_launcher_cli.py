@@ -106,6 +106,7 @@ SETTING_FLAGS = {
     "--wait-mode": ("HOROLITE_WAIT_MODE", "poll", "poll"),
     "--no-shared-memory": ("HOROLITE_SHARED_MEMORY", None, "0"),
     "--autotune-start": ("HOROLITE_AUTOTUNE_START", "4,1.5", "4,1.5"),
+    "--cross-host-transport": ("HOROLITE_CROSS_HOST_TRANSPORT", "TCP", "tcp"),
 }
 
 
@@ -206,7 +207,9 @@ def test_binding_tcp_timestamp_and_interfaces():
     argv = ["-np", "2", "--binding-args=--bind-to core", "--tcp", "-prefix-timestamp",
             "--network-interface", "eth0", "--network-interface", "eth1", "--disable-cache", "t"]
     c = config(argv)
-    assert dict(c.env) == {"NCCL_IB_DISABLE": "1"} and c.network_interface == "eth0,eth1"
+    # horolite's own TCP connections between hosts use the first interface (HOROLITE_TCP_IFACE)
+    assert dict(c.env) == {"NCCL_IB_DISABLE": "1", "HOROLITE_TCP_IFACE": "eth0"}
+    assert c.network_interface == "eth0,eth1"
     cmd = command(argv, mpi.OPENMPI)
     assert cmd[cmd.index("--bind-to"):cmd.index("--bind-to") + 2] == ["--bind-to", "core"]
     assert "--timestamp" in lmain.wrapper_argv(c)
@@ -334,7 +337,8 @@ def test_mpich_command():
                     "--network-interface", "eth0", "--mpi-args=-verbose", "python", "t.py"],
                    mpi.MPICH, environ={"FOO": "1"})
     assert argv == ["mpirun", "-np", "4", "-hosts", "h1:2,h2:2",
-                    "-genv", "HOROLITE_FUSION_THRESHOLD", "33554432", "-genvall",
+                    "-genv", "HOROLITE_FUSION_THRESHOLD", "33554432",
+                    "-genv", "HOROLITE_TCP_IFACE", "eth0", "-genvall",
                     "-iface", "eth0", "-verbose", *WRAP, "python", "t.py"]
 
 
@@ -344,8 +348,8 @@ def test_openmpi_command():
                    mpi.OPENMPI, environ={"FOO": "1"}, as_root=True)
     assert argv == ["mpirun", "-np", "4", "--allow-run-as-root", "--oversubscribe",
                     "--host", "h1:2,h2:2", "--map-by", "slot",
-                    "-x", "HOROLITE_FUSION_THRESHOLD=33554432", "-x", "FOO",
-                    "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
+                    "-x", "HOROLITE_FUSION_THRESHOLD=33554432", "-x", "HOROLITE_TCP_IFACE=eth0",
+                    "-x", "FOO", "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
                     "--display-map", *WRAP, "python", "t.py"]
 
 

@@ -1,0 +1,360 @@
+"""Messages over horolite's own TCP connections, with threads that sleep in the kernel.
+
+MPI over TCP moves bytes only inside MPI calls, so a rank waiting for a piece of the
+ring must keep calling MPI: across hosts every wait polled, and waiting cost as much
+CPU as computing. Here each connection (a "stream") has a sender thread blocked on
+its queue and a receiver thread blocked in recv_into(); they release the GIL while
+the kernel moves the bytes, straight from and into the ring's NumPy buffers. The
+thread that waits for a request sleeps on a condition variable that a completion
+notifies, waking only for completions and every WATCH_EVERY seconds to call the
+collective watch (failure notices, heartbeats, stall reports).
+
+A message is a header (link id, tag, sequence number, length) and its bytes.
+Receives are matched per (link, tag) in the order they were posted, as MPI matches
+them, through the sequence number: messages of one peer may travel on several
+streams (a link that one stream cannot fill) and arrive in any order. A message
+that arrives before its receive is posted is kept (unexpected) until it is.
+
+A connection that closes without the peer's goodbye, or fails, fails every request
+on that peer with LinkLost naming its rank and host, and every later one.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..failure.links import LinkLost
+
+__all__ = ["Request", "Peer", "TcpLink", "WATCH_EVERY"]
+
+_log = logging.getLogger("horolite.transport.tcp_link")
+
+# link id, tag, sequence number, payload length
+HEADER = struct.Struct("<HiIQ")
+BYE = -2  # the tag of the goodbye sent on every stream by a rank that closes in order
+# While a wait lasts, the collective watch is called this often (it hears other ranks'
+# failure notices, keeps the heartbeat going, reports stalls): the only timed wake-up.
+WATCH_EVERY = 0.1
+
+
+class Request:
+    """One send or receive: done (and its error, if it failed) set by an I/O thread."""
+    __slots__ = ("buf", "peer", "done", "error")
+
+    def __init__(self, buf, peer: int):
+        self.buf, self.peer = buf, peer
+        self.done = False
+        self.error: Optional[BaseException] = None
+
+    def Test(self) -> bool:
+        """Whether it completed (raises its error if it failed): hierarchical.drive's call."""
+        if self.error is not None:
+            raise self.error
+        return self.done
+
+
+class _Unexpected:
+    __slots__ = ("data", "complete", "waiting")
+
+    def __init__(self, length: int):
+        self.data = bytearray(length)
+        self.complete = False
+        self.waiting: Optional[Request] = None
+
+
+class Peer:
+    """The streams to one peer rank: a sender and a receiver thread each."""
+
+    def __init__(self, me: int, job_rank: int, where: str, socks: Sequence[socket.socket],
+                 changed: threading.Condition, on_lost: Callable[[LinkLost], None]):
+        """me: this rank; job_rank: the peer's; where: 'rank 1 (host node2)'."""
+        self.me, self.job_rank, self.where = me, job_rank, where
+        self._socks = list(socks)
+        self._changed = changed  # notified on every completion (the mesh's one condition)
+        self._on_lost = on_lost
+        self._lock = threading.Lock()
+        self._posted: Dict[Tuple[int, int, int], Request] = {}
+        self._unexpected: Dict[Tuple[int, int, int], _Unexpected] = {}
+        self._send_seq: Dict[Tuple[int, int], int] = {}
+        self._recv_seq: Dict[Tuple[int, int], int] = {}
+        self._queues = [queue.SimpleQueue() for _ in self._socks]
+        self._next_stream = itertools.cycle(range(len(self._socks)))
+        self.closing = False
+        self.error: Optional[LinkLost] = None
+        self.threads: List[threading.Thread] = []
+        for i, sock in enumerate(self._socks):
+            for role, target in (("send", self._sender), ("recv", self._receiver)):
+                t = threading.Thread(target=target, args=(i,), daemon=True,
+                                     name=f"horolite-tcp-{role}-{job_rank}.{i}")
+                t.start()
+                self.threads.append(t)
+
+    # ---- caller side ----
+    def isend(self, link_id: int, tag: int, buf: np.ndarray) -> Request:
+        req = Request(buf, self.job_rank)
+        with self._lock:
+            key = (link_id, tag)
+            seq = self._send_seq.get(key, 0)
+            self._send_seq[key] = seq + 1
+            if self.error is not None:
+                req.error = self.error
+                return req
+        self._queues[next(self._next_stream)].put(
+            (HEADER.pack(link_id, tag, seq, buf.nbytes), req))
+        return req
+
+    def irecv(self, link_id: int, tag: int, buf: np.ndarray) -> Request:
+        req = Request(buf, self.job_rank)
+        with self._lock:
+            key = (link_id, tag)
+            seq = self._recv_seq.get(key, 0)
+            self._recv_seq[key] = seq + 1
+            full = (link_id, tag, seq)
+            early = self._unexpected.get(full)
+            if early is not None:
+                if not early.complete:
+                    early.waiting = req  # its receiver thread hands it over when complete
+                    return req
+                del self._unexpected[full]
+            elif self.error is not None:
+                req.error = self.error
+                return req
+            else:
+                self._posted[full] = req
+                return req
+        self._deliver(req, early.data)
+        return req
+
+    # ---- the I/O threads ----
+    def _sender(self, i: int) -> None:
+        sock, inbox = self._socks[i], self._queues[i]
+        while True:
+            item = inbox.get()  # blocks in the kernel (a lock's futex) until there is work
+            if item is None:
+                return
+            header, req = item
+            if self.error is not None:
+                self._finish(req, self.error)
+                continue
+            try:
+                _send_all(sock, header, req.buf)
+            except OSError as e:
+                self._lost(f"sending to it failed ({e.strerror or e})")
+                self._finish(req, self.error)
+                continue
+            self._finish(req, None)
+
+    def _receiver(self, i: int) -> None:
+        sock = self._socks[i]
+        header = bytearray(HEADER.size)
+        said_bye = False
+        try:
+            while True:
+                if not _recv_exactly(sock, memoryview(header)):
+                    if said_bye or self.closing:
+                        return  # the peer said goodbye on this stream: an orderly end
+                    self._lost("its connection closed: its process ended or its host is "
+                               "unreachable")
+                    return
+                link_id, tag, seq, length = HEADER.unpack(header)
+                if tag == BYE:
+                    said_bye = True
+                    continue
+                self._receive(sock, (link_id, tag, seq), length)
+        except OSError as e:
+            if not self.closing:
+                self._lost(f"its connection failed ({e.strerror or e})")
+
+    def _receive(self, sock: socket.socket, key, length: int) -> None:
+        with self._lock:
+            req = self._posted.pop(key, None)
+            early = None
+            if req is None:
+                early = self._unexpected[key] = _Unexpected(length)
+        if req is not None:
+            view = memoryview(req.buf).cast("B")
+            if view.nbytes != length:  # a protocol error: keep the stream in step, fail it
+                _recv_exactly(sock, memoryview(bytearray(length)))
+                self._finish(req, RuntimeError(
+                    f"a message of {length} bytes from {self.where} does not fit the "
+                    f"{view.nbytes} bytes posted for it (link {key[0]}, tag {key[1]})"))
+                return
+            try:
+                if not _recv_exactly(sock, view):
+                    raise ConnectionResetError("the connection closed inside a message")
+            except OSError:
+                self._lost("its connection closed inside a message")
+                self._finish(req, self.error)
+                raise
+            self._finish(req, None)
+            return
+        if not _recv_exactly(sock, memoryview(early.data)):
+            raise ConnectionResetError("the connection closed inside a message")
+        with self._lock:
+            early.complete = True
+            waiting = early.waiting
+            if waiting is not None:
+                del self._unexpected[key]
+        if waiting is not None:
+            self._deliver(waiting, early.data)
+
+    def _deliver(self, req: Request, data: bytearray) -> None:
+        view = memoryview(req.buf).cast("B")
+        if view.nbytes != len(data):
+            self._finish(req, RuntimeError(
+                f"a message of {len(data)} bytes from {self.where} does not fit the "
+                f"{view.nbytes} bytes posted for it"))
+            return
+        view[:] = data
+        self._finish(req, None)
+
+    def _finish(self, req: Request, error: Optional[BaseException]) -> None:
+        with self._changed:
+            req.error = error
+            req.done = True
+            self._changed.notify_all()
+
+    def _lost(self, why: str) -> None:
+        with self._lock:
+            if self.error is not None or self.closing:
+                return
+            self.error = LinkLost(f"the connection to {self.where} closed: {why}", [self.job_rank])
+            pending = list(self._posted.values()) + [u.waiting for u in self._unexpected.values()
+                                                     if u.waiting is not None]
+            self._posted.clear()
+        _log.error("rank %d: %s", self.me, self.error)
+        for req in pending:
+            self._finish(req, self.error)
+        for q in self._queues:
+            q.put(None)  # (senders end; what they still hold fails)
+        self._on_lost(self.error)
+
+    def close(self, grace: float) -> None:
+        """Goodbye on every stream, then wait up to `grace` s for the peer's, then close."""
+        for i in range(len(self._socks)):
+            self._queues[i].put((HEADER.pack(0, BYE, 0, 0), Request(np.empty(0, np.uint8), -1)))
+            self._queues[i].put(None)
+        deadline = time.monotonic() + grace
+        for t in self.threads:
+            if t.name.startswith("horolite-tcp-send"):
+                t.join(max(0.0, deadline - time.monotonic()))
+        for sock in self._socks:
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        for t in self.threads:
+            if t.name.startswith("horolite-tcp-recv"):
+                t.join(max(0.0, deadline - time.monotonic()))
+        self.closing = True
+        for sock in self._socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+def _send_all(sock: socket.socket, header: bytes, buf) -> None:
+    views = [memoryview(header)]
+    body = memoryview(buf).cast("B")
+    if body.nbytes:
+        views.append(body)
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view`; False if the connection ended before its first byte (an orderly end)."""
+    got, total = 0, view.nbytes
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionResetError("the connection closed inside a message")
+        got += n
+    return True
+
+
+class TcpLink:
+    """What transport/ring.py's Ring drives: messages to the ranks of one ring (`ranks`,
+    their job ranks) over the mesh's peers, and waits that sleep until a completion."""
+
+    def __init__(self, mesh, link_id: int, ranks: Sequence[int], waiter):
+        """waiter: the transport's MPI waiter, whose `watch` is called while a wait lasts."""
+        self.mesh, self.link_id, self.ranks = mesh, link_id, list(ranks)
+        self.rank = self.ranks.index(mesh.job_rank)
+        self.size = len(self.ranks)
+        self.right = (self.rank + 1) % self.size
+        self.left = (self.rank - 1) % self.size
+        self._waiter = waiter
+        self.wakeups = 0  # returns from the condition's wait: what the tests count
+
+    def _peer(self, q: int) -> Peer:
+        return self.mesh.peers[self.ranks[q]]
+
+    def isend(self, buf: np.ndarray, dest: int = -1, tag: int = -1) -> Request:
+        return self._peer(self.right if dest < 0 else dest).isend(self.link_id, tag, buf)
+
+    def irecv(self, buf: np.ndarray, source: int = -1, tag: int = -1) -> Request:
+        return self._peer(self.left if source < 0 else source).irecv(self.link_id, tag, buf)
+
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, dest: int = -1, source: int = -1):
+        self.wait_all([self.irecv(recv, source), self.isend(send, dest)])
+
+    def wait(self, req: Request) -> None:
+        self.wait_any([req])
+
+    def wait_all(self, reqs) -> None:
+        for req in reqs:
+            self.wait_any([req])
+
+    def guard(self) -> None:
+        """(the MPI waiter's; nothing to look at before a send on these connections)"""
+
+    def wait_any(self, reqs: Sequence[Request], peer: int = -1) -> int:
+        """Sleep until one of `reqs` completes; its index (raises its error if it failed)."""
+        changed = self.mesh.changed
+        start = time.monotonic()
+        with changed:
+            while True:
+                for i, req in enumerate(reqs):
+                    if req.done:
+                        break
+                else:
+                    i = -1
+                if i >= 0:
+                    break
+                if not changed.wait(WATCH_EVERY):
+                    changed.release()  # (the watch may take long: no I/O thread waits on us)
+                    try:
+                        self._watch(time.monotonic() - start, reqs[0].peer)
+                    finally:
+                        changed.acquire()
+                self.wakeups += 1
+        if reqs[i].error is not None:
+            raise reqs[i].error
+        return i
+
+    def _watch(self, waited: float, peer: int) -> None:
+        watch = getattr(self._waiter, "watch", None)
+        if self.mesh.lost is not None:
+            raise self.mesh.lost
+        if watch is not None:
+            watch(waited, peer)
