@@ -38,7 +38,8 @@ BUCKET_RUNS = {
 @pytest.mark.parametrize("run", sorted(BUCKET_RUNS))
 def test_gradient_buckets(run):
     np_, env, expect = BUCKET_RUNS[run]
-    args = [] if expect else ["-k", "not test_tape_in_a_function_overlaps and not failing_after"]
+    args = [] if expect else ["-k", "not test_tape_in_a_function_overlaps and not failing_after "
+                                    "and not near_the_output"]
     lane = "HOROLITE_TEST_HOST_IDENTITY" in env  # `auto`: the exchange lane across hosts
     run_pytest_file(BUCKETS, np_, env=dict(QUIET, HOROLITE_TEST_EXPECT_BUCKETS=str(int(expect)),
                                            HOROLITE_TEST_EXPECT_LANE=str(int(lane)), **env),

@@ -56,6 +56,15 @@ MUTANTS = [
      "                order.order_after(tensors)\n", "                pass\n",
      [(BUCKETS, 2, expr, BUCKETS_ON) for expr in ("tape_in_a_function_overlaps",
                                                   "fit_applies_the_averaged")]),
+    ("bucket order gives an edge to an op a collective inside backprop needs (a cycle)",
+     "horolite/tensorflow/bucket_order.py",
+     "        feeds_chain = self._not_before(self._chained_before(self.latest)) if self.chains else set()\n",
+     "        feeds_chain = set()\n",
+     [(BUCKETS, 2, "sync_batch_norm_trains_in_buckets", BUCKETS_ON)]),
+    ("the Keras update runs before every bucket is back", "horolite/tensorflow/keras/__init__.py",
+     "            if tf.executing_eagerly():\n                return super().apply(reduced, trainable_variables)\n",
+     "            if True:\n                return super().apply(reduced, trainable_variables)\n",
+     [(BUCKETS, 2, "fit_failing_after", dict(BUCKETS_ON, **STALL_ENDS_JOB))]),
     ("a failed step's missing buckets are never abandoned", "horolite/api/buckets.py",
      "                handles.append(self._send(name, abandon_async, name, why, self.process_set))\n",
      "                pass\n",
@@ -69,6 +78,13 @@ MUTANTS = [
     ("a request sent again goes while its last run's is in flight", "horolite/api/buckets.py",
      "        if pending is None or pending.done():\n", "        if True:\n",
      [("tests/parallel/test_buckets.py", 2, "sent_again", {})]),
+    ("a wait on the TCP link polls with sleeps instead of sleeping on its condition",
+     "horolite/transport/tcp_link.py",
+     "                if not changed.wait(WATCH_EVERY):\n",
+     "                changed.release()\n                time.sleep(1e-4)\n"
+     "                changed.acquire()\n                if False:\n",
+     [("tests/parallel/test_tcp_link.py", 2, "sleeps_in_the_kernel",
+       {"HOROLITE_TEST_HOST_IDENTITY": "1+1"})]),
 ]
 # The second half of the Adasum mutant: the prescale, moved after the sum.
 EXTRA = {

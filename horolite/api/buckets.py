@@ -102,15 +102,21 @@ class BucketRuns:
     Two of one name cannot be in flight on a rank, and the others may not have sent
     theirs yet: a request or notice under a name still in flight (sent, or abandoned, by
     an earlier run) goes once that one is done. A run counts a request as its own only
-    once it went, so a send that raised is tried again by the next run."""
+    once it went, so a send that raised is tried again by the next run. What is in
+    flight is known across every BucketRuns of a process set: a function traced again
+    (tf.function's retrace) makes a new one for the same names."""
+
+    # (process set, name) -> the latest request or notice of that name, until it is done
+    _latest: Dict[tuple, Handle] = {}
+    _latest_lock = threading.Lock()
 
     def __init__(self, names: Sequence[str], process_set=global_process_set):
         self.names = list(names)
         self.process_set = process_set
         self._sent: set = set()  # requests the current run sent
         self._dropped: set = set()  # and those abandoned as it ended (until it has ended)
-        self._last: Dict[str, Handle] = {}  # the latest request (or abandon) of each name
-        self._lock = threading.Lock()
+        self._lock = BucketRuns._latest_lock
+        self._last = BucketRuns._latest
         self._runs = threading.RLock()  # one submit or stop at a time
 
     def submit(self, k: int, submit: Callable, *args) -> Handle:
@@ -147,7 +153,7 @@ class BucketRuns:
         """submit(*args) now, or, while the latest of `name` is in flight, once it is done
         (returns a handle that completes as that one does)."""
         with self._lock:
-            pending = self._last.get(name)
+            pending = self._last.get((id(self.process_set), name))
         if pending is None or pending.done():
             return self._track(name, submit(*args))
         proxy = self._track(name, Handle(name))
@@ -165,13 +171,14 @@ class BucketRuns:
     def _track(self, name: str, handle: Handle) -> Handle:
         """Remember `handle` as the latest of `name` until it is done (not longer: its
         result's buffer goes back to the pool once nothing holds it)."""
+        key = (id(self.process_set), name)
         with self._lock:
-            self._last[name] = handle
+            self._last[key] = handle
 
         def forget(done: Handle) -> None:
             with self._lock:
-                if self._last.get(name) is done:
-                    del self._last[name]
+                if self._last.get(key) is done:
+                    del self._last[key]
         handle.add_done_callback(forget)
         return handle
 

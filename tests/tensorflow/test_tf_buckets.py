@@ -353,6 +353,11 @@ def enqueue_spread(events, marker) -> float:
     return float(np.median(sum(COMM.allgather(shares), [])))
 
 
+# Well below what the edges give (0.41-0.53 with 12 buckets, 0.22 for fit's 2 buckets of
+# 2 MiB on pretend hosts), well above the median without them (0.00-0.03).
+SPREAD = 0.1
+
+
 def negotiated_afresh(events, marker) -> int:
     """NEGOTIATE spans of `marker`'s requests that did not hit the response cache."""
     rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
@@ -387,7 +392,7 @@ def test_fit_applies_the_averaged_gradients_and_overlaps():
         assert bucket_enqueues_waited_for(traced(model.train_function)) == n - 1
         assert overlapped(events, "DistributedSGD") >= 1, \
             "no step's first bucket was exchanged before its last was computed"
-        assert enqueue_spread(events, "DistributedSGD") > 0.25, "the buckets left together"
+        assert enqueue_spread(events, "DistributedSGD") > SPREAD, "the buckets left together"
         assert negotiated_afresh(events, "DistributedSGD") == 0
 
 
@@ -404,7 +409,7 @@ def test_tape_in_a_function_overlaps():
     assert bucket_enqueues_waited_for(traced(step)) == n - 1
     assert overlapped(events, "DistributedGradientTape") >= 1, \
         "no step's first bucket was exchanged before its last was computed"
-    assert enqueue_spread(events, "DistributedGradientTape") > 0.25, "the buckets left together"
+    assert enqueue_spread(events, "DistributedGradientTape") > SPREAD, "the buckets left together"
     assert negotiated_afresh(events, "DistributedGradientTape") == 0
 
 
@@ -441,7 +446,7 @@ def test_legacy_optimizer_in_a_tf1_graph_updates_like_numpy_and_overlaps():
         tf.float32, [w.nbytes for w in weights])
     if EXPECT:
         assert hits >= 1, "no step's first bucket was exchanged before its last was computed"
-        assert spread > 0.25, "the buckets left together"
+        assert spread > SPREAD, "the buckets left together"
         assert waited_for == expected_requests(tf.float32, [w.nbytes for w in weights]) - 1
 
 
@@ -528,7 +533,7 @@ def test_a_rank_failing_after_its_first_bucket_left_fails_the_step_everywhere_th
     same_on_every_rank([v.numpy() for v in opt.variables], "optimizer variable")
 
 
-def test_fit_failing_on_one_rank_after_its_first_bucket_left_changes_no_rank():
+def test_fit_failing_after_its_first_bucket_left_on_one_rank_changes_no_rank():
     if N < 2:
         pytest.skip("needs at least two ranks")
     flag = tf.Variable(0.0, trainable=False)
@@ -547,13 +552,19 @@ def test_fit_failing_on_one_rank_after_its_first_bucket_left_changes_no_rank():
     assert int(model.optimizer.iterations.numpy()) == 3  # the failed step counted nowhere
 
 
-def test_the_legacy_optimizer_failing_on_one_rank_after_its_first_bucket_left_changes_no_rank():
+def test_the_legacy_optimizer_failing_after_its_first_bucket_left_on_one_rank_changes_no_rank():
     if N < 2:
         pytest.skip("needs at least two ranks")
     x, y = data(R)
     with tf.Graph().as_default():
         flag = tf.compat.v1.Variable(0.0, trainable=False)
-        variables = [tf.compat.v1.Variable(w) for w in legacy_initial()]
+        # Deep enough that the first bucket (up to 1 MiB) leaves before the failing layer's
+        # gradient, at every bucket cap the driver uses.
+        shapes = [(WIDTH, WIDTH), (WIDTH,)] * LAYERS + [(WIDTH, 4), (4,)]
+        assert expected_requests(tf.float32, [int(np.prod(s)) * 4 for s in shapes]) >= 2
+        rng = np.random.RandomState(23)
+        variables = [tf.compat.v1.Variable(rng.normal(0, 0.05, size=s).astype(np.float32))
+                     for s in shapes]
         h = tf.constant(x)
         for k in range(0, len(variables) - 2, 2):
             h = tf.tanh(h @ variables[k] + variables[k + 1])
@@ -712,8 +723,7 @@ def test_a_collective_near_the_output_still_lets_the_buckets_below_it_leave_earl
     # SyncBatchNormalization after the last hidden layer only: its gradient's collective
     # comes first in backprop, and every bucket below it is still held in backprop's order.
     _overlap_needs()
-    if not EXPECT:
-        pytest.skip("one request per step in this run")
+    assert EXPECT, "the driver runs this case only where buckets are expected"
     keras.utils.set_random_seed(3)
     model = keras.Sequential([keras.Input((WIDTH,))] +
                              [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(LAYERS)] +
