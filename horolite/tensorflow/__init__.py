@@ -27,7 +27,8 @@ from .legacy_slots import ForwardSlots
 from .functions import (allgather_object, broadcast_, broadcast_global_variables, broadcast_object,
                         broadcast_object_fn, broadcast_variables, variable_ref)
 from .sync_batch_norm import SyncBatchNormalization
-from .gradients import GradientReducer, LocalAggregator, check_arguments
+from .aggregation import LocalAggregator
+from .gradients import GradientReducer, check_arguments
 from .api import (allreduce, grouped_allreduce, grouped_reducescatter,
                   handle_average_backwards_compatibility, reducescatter)
 from .adasum import check_adasum

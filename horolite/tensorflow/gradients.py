@@ -1,4 +1,4 @@
-"""Reducing a step's gradients, and local gradient aggregation.
+"""Reducing a step's gradients: one request, or buckets that leave while backprop runs.
 
 `GradientReducer` is what DistributedGradientTape and both DistributedOptimizers
 share. It enqueues every gradient as soon as it exists (in reverse list order,
@@ -7,8 +7,7 @@ every wait op has a control dependency on all the enqueue ops of the step.
 When the step makes one request (the default: one group), a graph gets one op
 that submits and waits, since there is no other enqueue to hold up.
 
-`LocalAggregator` sums gradients locally over `backward_passes_per_step`
-calls and reduces the sum once, on the last call.
+Local gradient aggregation (`backward_passes_per_step`) is in aggregation.py.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from .bucket_order import BucketOrder
 from .mpi_ops import _check_op
 from .process_sets import check_process_set, global_process_set, reduces_here, set_size
 
-__all__ = ["GradientReducer", "LocalAggregator", "check_arguments"]
+__all__ = ["GradientReducer", "check_arguments"]
 
 
 def check_arguments(op, gradient_predivide_factor: float, backward_passes_per_step: int = 1):
@@ -370,80 +369,3 @@ def _after_every_request(out: List, reduced: List[int], placeholders: List) -> N
             g = out[i]
             out[i] = (tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
                       if isinstance(g, tf.IndexedSlices) else tf.identity(g))
-
-
-class LocalAggregator:
-    """Sum gradients locally for `passes` calls; reduce the sum on the last one.
-
-    State (a call counter and one accumulator per variable) lives in
-    non-trainable variables created on the first call. On the calls that do
-    not communicate, the returned gradients are zeros (dense, of each
-    variable's shape; None stays None); `apply` runs the update only when the
-    counter is back at 0, i.e. right after a communicating call.
-    """
-
-    def __init__(self, passes: int, average: bool, reducer: GradientReducer):
-        self.passes = int(passes)
-        self.average = bool(average)
-        self.reducer = reducer
-        self.counter = None
-        self.accumulators = None
-
-    def _build(self, grads, variables):
-        with tf.init_scope():
-            self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="horolite_agg_counter")
-            self.accumulators = [
-                None if g is None else tf.Variable(tf.zeros(v.shape, g.dtype), trainable=False,
-                                                   name="horolite_agg_" + variable_name(v, i).replace("/", "_").replace(".", "_"))
-                for i, (g, v) in enumerate(zip(grads, variables))]
-
-    def __call__(self, grads, variables):
-        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        if self.accumulators is None:
-            self._build(grads, variables)
-        elif len(self.accumulators) != len(grads):
-            raise ValueError(f"backward_passes_per_step: got {len(grads)} gradients, but the "
-                             f"aggregation state was built for {len(self.accumulators)}")
-        pairs = [(a, g) for a, g in zip(self.accumulators, grads) if g is not None]
-        updates = [a.assign_add(g) for a, g in pairs]
-        with tf.control_dependencies(updates if not tf.executing_eagerly() else None):
-            count = self.counter.assign_add(1)
-        ready = tf.equal(count, self.passes)
-
-        def communicate():
-            total = [None if a is None else a.read_value() for a in self.accumulators]
-            reduced = self.reducer(total, variables)
-            if self.average:
-                reduced = [r if r is None else r / tf.cast(self.passes, r.dtype) for r in reduced]
-            deps = [r for r in reduced if r is not None] if not tf.executing_eagerly() else None
-            with tf.control_dependencies(deps):
-                resets = [a.assign(tf.zeros_like(a)) for a in self.accumulators if a is not None]
-                resets.append(self.counter.assign(0))
-            with tf.control_dependencies(resets if not tf.executing_eagerly() else None):
-                return [tf.zeros_like(a) if r is None and a is not None else
-                        (None if r is None else tf.identity(r))
-                        for r, a in zip(reduced, self.accumulators)]
-
-        def skip():
-            return [None if a is None else tf.zeros_like(a) for a in self.accumulators]
-
-        if tf.executing_eagerly():
-            return communicate() if bool(ready) else skip()
-        present = [i for i, a in enumerate(self.accumulators) if a is not None]
-
-        def pick(fn):
-            def branch():
-                values = fn()
-                return [values[i] for i in present]
-            return branch
-        chosen = tf.cond(ready, pick(communicate), pick(skip))
-        if not isinstance(chosen, (list, tuple)):
-            chosen = [chosen]
-        out = [None] * len(self.accumulators)
-        for i, t in zip(present, chosen):
-            out[i] = t
-        return out
-
-    def should_apply(self):
-        """True (a bool tensor in graphs) right after a communicating call."""
-        return tf.equal(self.counter, 0)

@@ -30,7 +30,8 @@ from .. import (Compression, ProcessSet, SyncBatchNormalization, _local_layer_va
                 grouped_reducescatter, init, join, remove_process_set)
 from .. import allgather as _allgather, allreduce as _allreduce, broadcast as _broadcast
 from .. import reducescatter as _reducescatter
-from ..gradients import GradientReducer, LocalAggregator, check_arguments
+from ..aggregation import LocalAggregator
+from ..gradients import GradientReducer, check_arguments
 from ..wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
                                   SyncReplicasOptimizer)
 from . import callbacks, elastic
