@@ -121,19 +121,8 @@ def test_a_request_sent_again_while_its_last_run_is_in_flight_waits_for_it():
     if N < 2:
         pytest.skip("needs at least two ranks")
     from mpi4py import MPI
-    from horolite.api.buckets import BucketRuns
     comm = MPI.COMM_WORLD
-    names = ["np_runs.b0", "np_runs.b1"]
-    runs = BucketRuns(names)
-
-    def send(k):
-        return lambda a: hvd.allreduce_async(a, name=names[k], op=hvd.Sum)
-
-    def x(r, k, run):
-        return np.full(3 + k, 10.0 * r + k + 100.0 * run)
-
-    def total(k, run):
-        return sum(x(r, k, run) for r in range(N))
+    runs, send, x, total = runs_case("np_runs", 2)
     if R == 1:
         old0 = runs.submit(0, send(0), x(R, 0, 0))
         try:

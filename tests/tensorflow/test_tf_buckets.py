@@ -272,9 +272,10 @@ def reference_update(model, lr):
             for k, v in enumerate(model.trainable_variables)]
 
 
-def tape_step(model):
-    """A tf.function SGD step of `model` on this rank's data with DistributedGradientTape."""
-    opt = keras.optimizers.SGD(0.01)
+def tape_step(model, opt=None):
+    """A tf.function step of `model` (SGD unless `opt`) on this rank's data with
+    DistributedGradientTape."""
+    opt = opt or keras.optimizers.SGD(0.01)
     x, y = (tf.constant(a) for a in data(R))
 
     @tf.function
@@ -515,15 +516,7 @@ def test_a_rank_failing_after_its_first_bucket_left_fails_the_step_everywhere_th
     flag = tf.Variable(0.0, trainable=False)
     model = failing_model(flag)
     opt = keras.optimizers.SGD(0.01, momentum=0.9)
-    x, y = (tf.constant(a) for a in data(R))
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
-        tape = hvd.DistributedGradientTape(tape)
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables))
+    step = tape_step(model, opt)
     step()
     sizes = [int(np.prod(v.shape)) * 4 for v in model.trainable_variables]
     assert expected_requests(tf.float32, sizes) >= 2, "the driver runs this case with buckets"
