@@ -51,11 +51,24 @@ def worker(args) -> None:
     import horolite as hvd
     from common import interleaved_median_times
     from horolite.api.basics import runtime
+    from horolite.transport.ring import Ring
 
     hvd.init()
     comm = MPI.COMM_WORLD
     transport = runtime().transport
     hier = transport.hierarchical_allreduce
+    # Over horolite's TCP connections (--transport tcp), the flat ring over MPI's messages
+    # too, swapped in between collectives: the old path, in the same job.
+    tcp_ring = transport.ring if transport.cross_host is not None and hier is None else None
+    mpi_ring = Ring(transport.link)
+
+    def horolite_mpi_ring():
+        transport.ring = mpi_ring
+        try:
+            hvd.allreduce(a, op=hvd.Sum, name="bw")
+        finally:
+            transport.ring = tcp_ring
+
     rows = []
     for nbytes in args.sizes:
         a = np.ones(nbytes // 4, dtype=np.float32)
@@ -72,6 +85,8 @@ def worker(args) -> None:
         fns = {"horolite": horolite_default, "mpi": lambda: comm.Allreduce(a, out, op=MPI.SUM)}
         if hier is not None:
             fns["flat"] = horolite_flat
+        if tcp_ring is not None:
+            fns["mpi_ring"] = horolite_mpi_ring
         iters = int(min(args.max_iters, max(args.min_iters, args.budget_mib * MiB // nbytes)))
         times = interleaved_median_times(fns, iters, blocks=args.blocks, comm=comm)
         transport.hierarchical_allreduce = hier
@@ -91,8 +106,10 @@ def run_layout(bed, layout: str, sizes, args) -> dict:
             "--min-iters", str(args.min_iters), "--max-iters", str(args.max_iters),
             "--budget-mib", str(args.budget_mib)]
     # The hierarchical path where the layout allows it (the flat ring is measured beside it).
-    proc = bed.run(argv, timeout=3600, env={"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"}
-                   if layout != "2x1" else None)
+    env = {"HOROLITE_CROSS_HOST_TRANSPORT": args.transport}
+    if layout != "2x1":
+        env["HOROLITE_HIERARCHICAL_ALLREDUCE"] = "1"
+    proc = bed.run(argv, timeout=3600, env=env)
     for line in proc.stdout.splitlines():
         if "RESULT " in line:
             return json.loads(line.split("RESULT ", 1)[1])
@@ -107,6 +124,7 @@ def report(results: dict, rate: float, args) -> dict:
              "| flat / horolite | link fraction (horolite) | link fraction (MPI) |",
              "|---|---|---|---|---|---|---|---|---|"]
     targets = []
+    ring_rows = []
     for layout, doc in results.items():
         hosts = 2
         for row in doc["rows"]:
@@ -115,6 +133,11 @@ def report(results: dict, rate: float, args) -> dict:
             row["link_fraction"] = crossing / h / rate
             row["mpi_link_fraction"] = crossing / m / rate
             flat = row.get("flat_s")
+            if row.get("mpi_ring_s"):
+                ring_rows.append(f"| {layout} | {human_bytes(s)} | {1e3 * h:.1f} | "
+                                 f"{1e3 * row['mpi_ring_s']:.1f} | {1e3 * m:.1f} | "
+                                 f"{row['mpi_ring_s'] / h:.2f} | {m / h:.2f} | "
+                                 f"{row['link_fraction']:.2f} |")
             lines.append(f"| {layout} | {human_bytes(s)} | {1e3 * h:.1f} | {1e3 * m:.1f} | "
                          f"{'' if flat is None else f'{1e3 * flat:.1f}'} | {m / h:.2f} | "
                          f"{'' if flat is None else f'{flat / h:.2f}'} | "
@@ -135,6 +158,10 @@ def report(results: dict, rate: float, args) -> dict:
                                       "see docs/benchmarks.md"))
                 targets.append(Target("2x2 64 MiB: hierarchical / MPI_Allreduce (speed)", m / h,
                                       1.2, "x", True, "see docs/benchmarks.md"))
+    if ring_rows:
+        lines += ["", "| layout | size | horolite over TCP ms | horolite over MPI's messages ms | "
+                  "MPI_Allreduce ms | MPI ring / TCP | MPI_Allreduce / TCP | link fraction |",
+                  "|---|---|---|---|---|---|---|---|"] + ring_rows
     lines.append("")
     lines += ["| target | value | bound | met |", "|---|---|---|---|"]
     for t in targets:
@@ -156,6 +183,9 @@ def main(argv=None) -> int:
     p.add_argument("--min-iters", type=int, default=8)
     p.add_argument("--max-iters", type=int, default=60)
     p.add_argument("--budget-mib", type=int, default=512)
+    p.add_argument("--transport", default="mpi", choices=("auto", "tcp", "mpi"),
+                   help="HOROLITE_CROSS_HOST_TRANSPORT of the jobs (tcp: the flat ring over MPI "
+                        "is measured beside it on 2x1)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "multihost_bandwidth.json"))
     args = p.parse_args(argv)
     if args.worker:
@@ -178,7 +208,7 @@ def main(argv=None) -> int:
             results[layout] = run_layout(bed, layout, sizes, args)
     rate = _rate_bytes(args.rate) if args.rate != "none" else float("nan")
     rep = report(results, rate, args)
-    doc = {"benchmark": "multihost_bandwidth", "rate": args.rate,
+    doc = {"benchmark": "multihost_bandwidth", "rate": args.rate, "transport": args.transport,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "load_average": os.getloadavg(), "wall_seconds": round(time.time() - started, 1),
            "results": results, "targets": rep["targets"]}

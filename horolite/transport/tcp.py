@@ -46,6 +46,10 @@ _HELLO = struct.Struct("<IiiQ")
 # that maximum would turn the kernel's own tuning (up to tcp_rmem's top) off.
 BUFFER_BYTES = 8 << 20
 _SIOCGIFADDR, _SIOCGIFNETMASK = 0x8915, 0x891B
+# A connection silent this long (keepalives unanswered, or data unacknowledged) is ended:
+# longer than a link outage a job survives (the multi-host tests take links down for 20
+# and 75 s; inside a collective the stall inspector speaks first, naming the silent ranks).
+HALF_OPEN_SECONDS = 180
 # Where ranks of one machine reach each other when no interface is named.
 LOOPBACK = "127.0.0.1"
 
@@ -136,11 +140,13 @@ def _listen(bind: str, ports: str) -> socket.socket:
 
 
 def _tune(sock: socket.socket) -> None:
-    """No Nagle; keepalives find a peer whose host vanished without a FIN (about 20 s of
-    silence); large buffers where the kernel allows them."""
+    """No Nagle; keepalives (and a limit on unacknowledged data) end a connection whose far
+    host vanished without a FIN after HALF_OPEN_SECONDS; large buffers where the kernel
+    allows them."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for opt, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 3), ("TCP_KEEPCNT", 3)):
+    for opt, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 15), ("TCP_KEEPCNT", 8),
+                       ("TCP_USER_TIMEOUT", 1000 * HALF_OPEN_SECONDS)):
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
     for opt, limit in ((socket.SO_SNDBUF, "wmem_max"), (socket.SO_RCVBUF, "rmem_max")):

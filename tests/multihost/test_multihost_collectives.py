@@ -60,3 +60,16 @@ def test_stragglers_across_hosts(bed, no_leftovers):
     ranks on both hosts (tests/parallel/test_stragglers.py, a 2 s window)."""
     run_pytest_across(bed, LAYOUTS["2x2"], STRAGGLERS,
                       env={"HOROLITE_STRAGGLER_REPORT_SECONDS": "2"})
+
+
+TCP_LINK = os.path.join(ROOT, "tests", "parallel", "test_tcp_link.py")
+
+
+def test_horolites_own_connections_across_hosts(bed, no_leftovers):
+    """horolite's TCP connections between real hosts (HOROLITE_CROSS_HOST_TRANSPORT=tcp), on
+    the interface named (HOROLITE_TCP_IFACE, as horolite-run --network-interface sets it):
+    the transport's own tests (real interfaces, a missing one, refused addresses), then the
+    collective matrix over it, on 2x2 (the hierarchical allreduce's rings both over eth0)."""
+    run_pytest_across(bed, LAYOUTS["2x2"], TCP_LINK, pytest_args=[COLLECTIVES],
+                      env={"HOROLITE_CROSS_HOST_TRANSPORT": "tcp", "HOROLITE_TCP_IFACE": "eth0",
+                           "HOROLITE_TEST_LAYOUT": LAYOUTS["2x2"]})
