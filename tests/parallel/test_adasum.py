@@ -10,6 +10,7 @@ import pytest
 
 import horolite as hvd
 from horolite.runtime import registry
+from adasum_reference import tree
 
 hvd.init(process_sets="dynamic")
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -18,23 +19,6 @@ POW2 = SIZE & (SIZE - 1) == 0
 needs_pow2 = pytest.mark.skipif(not POW2, reason="Adasum needs a power-of-two number of ranks")
 TOL = {np.float16: dict(rtol=5e-3, atol=5e-3), np.float32: dict(rtol=1e-5, atol=1e-6),
        np.float64: dict(rtol=1e-12, atol=1e-12)}
-
-
-def pair(a, b):
-    """Horovod's Adasum of two vectors, in float64."""
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    dot, na, nb = a @ b, a @ a, b @ b
-    ac = 1 - dot / (2 * na) if na >= np.sqrt(np.finfo(np.float64).tiny) else 1.0
-    bc = 1 - dot / (2 * nb) if nb >= np.sqrt(np.finfo(np.float64).tiny) else 1.0
-    return ac * a + bc * b
-
-
-def tree(vectors):
-    """Level by level: neighbours (0, 1), (2, 3)..., then the pairs' results, and so on."""
-    level = list(vectors)
-    while len(level) > 1:
-        level = [pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
-    return level[0]
 
 
 def inputs(seed, shape, dtype):

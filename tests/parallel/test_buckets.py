@@ -11,6 +11,7 @@ import pytest
 
 import horolite as hvd
 from horolite.elastic.run import is_runtime_failure
+from adasum_reference import tree
 
 hvd.init()
 R, N = hvd.rank(), hvd.size()
@@ -153,22 +154,6 @@ MIXED = [((64, 64), np.float32), ((64,), np.float64), ((64, 128), np.float32),
          ((128,), np.float64), ((128, 10), np.float32), ((10,), np.float64)]
 
 
-def pair(a, b):
-    """Horovod's Adasum of two vectors, in float64 (as tests/parallel/test_adasum.py)."""
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    dot, na, nb = a @ b, a @ a, b @ b
-    ac = 1 - dot / (2 * na) if na >= np.sqrt(np.finfo(np.float64).tiny) else 1.0
-    bc = 1 - dot / (2 * nb) if nb >= np.sqrt(np.finfo(np.float64).tiny) else 1.0
-    return ac * a + bc * b
-
-
-def adasum(vectors):
-    level = list(vectors)
-    while len(level) > 1:
-        level = [pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
-    return level[0]
-
-
 @pytest.mark.parametrize("when", ["first", "cached"])
 def test_a_step_discarded_with_a_bucket_of_mixed_dtypes_fails_everywhere_then_works(when):
     discarded_with_buckets_that_cannot_be_packed("mixed", when)
@@ -211,7 +196,7 @@ def discarded_with_buckets_that_cannot_be_packed(case, when):
             if case == "mixed":
                 want = np.mean([e[k].astype(np.float64) for e in everyone], axis=0)
             else:
-                want = adasum([e[k] for e in everyone]).reshape(shape)
+                want = tree([e[k] for e in everyone]).reshape(shape)
             np.testing.assert_allclose(g.astype(np.float64), want, rtol=1e-5, atol=1e-6)
     if when == "cached":
         whole_step(3)

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import horolite.tensorflow as hvd
 import horolite.tensorflow.keras as hvdk
+from adasum_reference import tree as adasum_tree
 from tf_modes import MODES, run
 
 hvd.init()
@@ -25,18 +26,8 @@ TOL = {tf.float16: dict(rtol=5e-3, atol=5e-3), tf.float32: dict(rtol=1e-5, atol=
 LR = 0.125  # exact in float32 too (the legacy optimizers keep the rate in float32)
 
 
-def pair(a, b):
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    dot, na, nb = a @ b, a @ a, b @ b
-    tiny = np.sqrt(np.finfo(np.float64).tiny)
-    return (1 - dot / (2 * na) if na >= tiny else 1.0) * a + (1 - dot / (2 * nb) if nb >= tiny else 1.0) * b
-
-
 def tree(vectors, shape):
-    level = list(vectors)
-    while len(level) > 1:
-        level = [pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
-    return np.asarray(level[0]).reshape(shape)
+    return np.asarray(adasum_tree(vectors)).reshape(shape)
 
 
 def rank_input(r, shape, seed=0):
