@@ -136,10 +136,14 @@ def test_integer_reducescatter_with_a_non_finite_scale_factor():
 
 
 def test_duplicate_name_in_flight():
+    # A large allreduce ahead of it keeps "dup" in flight while the same name comes again
+    # (alone, at np 1, a small one can be done before the next line runs).
+    ahead = hvd.allreduce_async(np.ones(32 << 20, np.float32), name="dup.ahead")
     first = hvd.allreduce_async(np.ones(2), name="dup")
     with pytest.raises(hvd.DuplicateNameError, match="tensor 'dup': a collective with this name is already in flight"):
         hvd.allreduce_async(np.ones(2), name="dup")
     np.testing.assert_allclose(hvd.synchronize(first), np.ones(2))
+    assert hvd.synchronize(ahead)[-1] == 1.0
     # Once done, the name is free again.
     np.testing.assert_allclose(hvd.allreduce(np.ones(2), name="dup"), np.ones(2))
 
