@@ -291,3 +291,36 @@ def test_collectives_over_tcp(np_):
                                       (3, "test_errors.py"), (3, "test_lifecycle.py")])
 def test_runtime_over_tcp(np_, test):
     run_pytest_file(os.path.join(PARALLEL, test), np_, tcp_env(TCP_LAYOUTS[np_]))
+
+
+TRANSPORT_SCRIPT = """
+import os, sys
+import horolite as hvd
+from horolite.runtime import registry
+hvd.init()
+with open(os.path.join(sys.argv[1], "tcp.%d" % hvd.rank()), "w") as out:
+    out.write(str(registry.current().transport.cross_host is not None))
+"""
+
+
+@pytest.mark.parametrize("env,on", [({}, False), ({"HOROLITE_TEST_HOST_IDENTITY": "1+1"}, True),
+                                    ({"HOROLITE_TEST_HOST_IDENTITY": "1+1",
+                                      "HOROVOD_CROSS_HOST_TRANSPORT": "mpi"}, False)])
+def test_tcp_is_the_default_across_hosts(env, on, tmp_path):
+    """auto: horolite's connections across (pretend) hosts with no RDMA device, the choice
+    and why logged once by rank 0; never on one host; HOROVOD_ spelling accepted."""
+    import subprocess
+    import sys
+    from mpirun import mpirun_command
+    proc = subprocess.run(mpirun_command(2) + [sys.executable, "-c", TRANSPORT_SCRIPT, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env=dict(os.environ, HOROLITE_LOG_LEVEL="INFO", **env))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(tmp_path / f"tcp.{r}").read_text() for r in range(2)] == [str(on)] * 2
+    said = [line for line in proc.stderr.splitlines() if "across hosts the rings' pieces" in line]
+    if "HOROLITE_TEST_HOST_IDENTITY" not in env:
+        assert not said
+    elif on:
+        assert len(said) == 1 and "horolite's TCP connections: no RDMA device" in said[0], said
+    else:
+        assert len(said) == 1 and "over MPI: HOROLITE_CROSS_HOST_TRANSPORT=mpi" in said[0], said

@@ -281,6 +281,9 @@ def open_mesh(comm: MPI.Comm, wanted: Sequence[int], hostnames: Sequence[str], w
             sock.settimeout(None)
             _tune(sock)
         mesh.peers[q] = Peer(rank, q, where(q), pair, mesh.changed, mesh._lost)
+    _log.debug("rank %d: TCP connections to %s, %d stream(s) each, listening on port %d",
+               rank, ", ".join(where(q) for q in sorted(mesh.peers)) or "nobody", streams,
+               info["port"])
     return mesh
 
 
