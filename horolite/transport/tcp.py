@@ -236,11 +236,11 @@ def open_mesh(comm: MPI.Comm, wanted: Sequence[int], hostnames: Sequence[str], w
                         (addr, peer_info["port"]), timeout=max(0.1, deadline - time.monotonic()))
                     sock.sendall(_HELLO.pack(_MAGIC, rank, s, token))
                 except OSError as e:
-                    raise SetupError(
-                        f"{where(rank)} could not connect to {where(q)} at "
-                        f"{addr}:{peer_info['port']}: {e.strerror or e}"
-                        + (" (timed out: a firewall dropping it, or no route?)"
-                           if isinstance(e, socket.timeout) else "")) from None
+                    why = (f"no answer within {timeout:g} s (HOROLITE_TCP_TIMEOUT_SECONDS): a "
+                           "firewall dropping it, or no route?" if isinstance(e, socket.timeout)
+                           else e.strerror or str(e))
+                    raise SetupError(f"{where(rank)} could not connect to {where(q)} at "
+                                     f"{addr}:{peer_info['port']}: {why}") from None
                 socks[q][s] = sock
         expected = sum(streams for q in wanted if q < rank)
         while expected:

@@ -112,3 +112,27 @@ def test_an_exception_on_another_host_is_named_on_every_rank(bed, no_leftovers, 
     assert f"horolite-run: job failed: {cause}; ranks stopped as a result: 0, 1" in job.stderr, \
         job.stderr[-3000:]
     assert job.returncode == 1
+
+
+def test_a_firewall_that_drops_horolites_connections_is_named_at_init(bed, no_leftovers):
+    """hl-b drops every packet to the ports horolite's own connections may use
+    (HOROLITE_TCP_PORT_RANGE): init fails within the set-up timeout on both ranks, naming
+    both hosts and the address tried, instead of hanging."""
+    rule = ["INPUT", "-p", "tcp", "--dport", "45000:45009", "-j", "DROP"]
+    env = dict(os.environ, HOROLITE_TCP_PORT_RANGE="45000-45009", HOROLITE_TCP_TIMEOUT_SECONDS="3")
+    bed.on("hl-b", ["iptables", "-A", *rule])
+    try:
+        started = time.monotonic()
+        job = bed.run([HOROLITE_RUN, "-H", "hl-a:1,hl-b:1", "python", "-c",
+                       "import horolite as hvd; hvd.init()"], timeout=120, env=env)
+        took = time.monotonic() - started
+    finally:
+        bed.on("hl-b", ["iptables", "-D", *rule])
+    assert job.returncode != 0
+    said = re.search(r"rank 0 \(host hl-a\) could not connect to rank 1 \(host hl-b\) at "
+                     r"198\.18\.0\.12:4500\d: no answer within 3 s \(HOROLITE_TCP_TIMEOUT_SECONDS\): "
+                     r"a firewall dropping it",
+                     job.stderr)
+    assert said, job.stderr[-3000:]
+    assert "rank 1 (host hl-b) heard nothing within 3 s" in job.stderr, job.stderr[-3000:]
+    assert took < 60, took
