@@ -187,10 +187,10 @@ SETTINGS: Tuple[Setting, ...] = (
             "at once; on the background thread on one host; `1` always a thread of their "
             "own, `0` never (needs MPI's THREAD_MULTIPLE)",
             "exchange_pipeline"),
-    Setting("CROSS_HOST_TRANSPORT", ("auto", "tcp", "mpi"), "auto",
-            "what carries the ring's pieces between hosts: `tcp` horolite's own TCP connections "
-            "(threads that sleep in the kernel while the network works: waiting costs no CPU), "
-            "`mpi` MPI's point-to-point messages (waits poll MPI), `auto` `tcp` unless a host "
+    Setting("CROSS_HOST_TRANSPORT", ("auto", "tcp", "mpi"), "mpi",
+            "what carries the ring's pieces between hosts: `mpi` MPI's point-to-point messages "
+            "(waits poll MPI), `tcp` horolite's own TCP connections (threads that sleep in the "
+            "kernel while the network works: waiting costs no CPU), `auto` `tcp` unless a host "
             "has an RDMA device (/sys/class/infiniband), then `mpi`; one host always uses shared "
             "memory (see Many hosts)",
             "cross_host_transport", "--cross-host-transport"),

@@ -119,7 +119,8 @@ def test_a_firewall_that_drops_horolites_connections_is_named_at_init(bed, no_le
     (HOROLITE_TCP_PORT_RANGE): init fails within the set-up timeout on both ranks, naming
     both hosts and the address tried, instead of hanging."""
     rule = ["INPUT", "-p", "tcp", "--dport", "45000:45009", "-j", "DROP"]
-    env = dict(os.environ, HOROLITE_TCP_PORT_RANGE="45000-45009", HOROLITE_TCP_TIMEOUT_SECONDS="3")
+    env = dict(os.environ, HOROLITE_CROSS_HOST_TRANSPORT="tcp", HOROLITE_TCP_PORT_RANGE="45000-45009",
+               HOROLITE_TCP_TIMEOUT_SECONDS="3")
     bed.on("hl-b", ["iptables", "-A", *rule])
     try:
         started = time.monotonic()
