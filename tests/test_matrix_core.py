@@ -26,8 +26,10 @@ VARIANTS = {
 }
 
 
+# (lane-autotune: the lists' fusion under a moving threshold is test_exchange_lane's case;
+# the whole collective file under it would add four long jobs to CI for nothing more)
 @pytest.mark.parametrize("np_", RANK_COUNTS)
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if v != "lane-autotune"))
 def test_collectives(np_, variant):
     run_pytest_file(os.path.join(PARALLEL, "test_collectives.py"), np_, VARIANTS[variant])
 
