@@ -55,6 +55,7 @@ def worker(args) -> None:
 
     sys.path.insert(0, HERE)
     import horolite.tensorflow as hvd
+    from tf_steps import step_functions
     import horolite.tensorflow.keras as hvd_keras
     from horolite.runtime import registry
     from common import interleaved_median_times
@@ -78,23 +79,7 @@ def worker(args) -> None:
         model = build()
         opt = keras.optimizers.SGD(1e-4)
 
-        def step_fn(wrap):
-            @tf.function
-            def step():
-                with tf.GradientTape() as tape:
-                    loss = loss_fn(y, model(x, training=True))
-                if wrap is not None:
-                    tape = wrap(tape)
-                grads = tape.gradient(loss, model.trainable_variables)
-                opt.apply_gradients(zip(grads, model.trainable_variables))
-                return loss
-            return step
-
-        grads_like = [tf.zeros_like(v) for v in model.trainable_variables]
-
-        @tf.function
-        def exchange():
-            return hvd.grouped_allreduce(grads_like, name="overlap_bench.exchange")[0]
+        step_fn, exchange = step_functions(model, x, y, loss_fn, opt, hvd, "overlap_bench.exchange")
 
         @tf.function
         def forward():

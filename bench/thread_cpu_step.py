@@ -87,6 +87,7 @@ def worker(args) -> None:
     from mpi4py import MPI
     import horolite.tensorflow as hvd
     from horolite.runtime import registry
+    from tf_steps import step_functions
 
     hvd.init()
     comm = MPI.COMM_WORLD
@@ -102,23 +103,7 @@ def worker(args) -> None:
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     opt = keras.optimizers.SGD(1e-4)
 
-    def step_fn(wrap):
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            if wrap is not None:
-                tape = wrap(tape)
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-        return step
-
-    grads_like = [tf.zeros_like(v) for v in model.trainable_variables]
-
-    @tf.function
-    def exchange():
-        return hvd.grouped_allreduce(grads_like, name="thread_cpu.exchange")[0]
+    step_fn, exchange = step_functions(model, x, y, loss_fn, opt, hvd, "thread_cpu.exchange")
 
     fns = {"plain": step_fn(None), "exchange": exchange,
            "tape": step_fn(lambda t: hvd.DistributedGradientTape(t))}
