@@ -76,7 +76,9 @@ class ExchangeLane:
         self._raised = False
         self.holding = 0  # entries handed over whose batch has not run: no cycle need wait on them
         self.reduced = 0  # bytes allreduced since the background thread last took them
-        self.lists = 0  # agreed lists the lane ran (tests read it)
+        # Agreed lists the lane took (tests read it): counted as one starts, so a caller
+        # whose handle that list completes always sees it counted.
+        self.lists = 0
         # Lists handed over while an earlier one was still running: agreed in flight.
         self.handed_while_busy = 0
         # Lists already waiting when the one before them ended, so started straight
@@ -162,6 +164,7 @@ class ExchangeLane:
                     return
                 responses, entries, threshold = self._jobs.popleft()
                 self._busy = True
+                self.lists += 1
             if ended is not None:
                 self.follow_gap = time.monotonic() - ended
                 self.followed += 1
@@ -182,7 +185,6 @@ class ExchangeLane:
             with self._cond:
                 self._busy = False
                 self.reduced += reduced
-                self.lists += 1
                 if not self._jobs:
                     ended = None
                 self._cond.notify_all()
