@@ -144,6 +144,11 @@ def _shutdown_at_exit() -> None:
           exiting=-1 if code is None else code)
     if doomed:
         remove_mapped()  # no MPI_Finalize to unlink the job's shared memory
+        # The rank that failed ends last, so that the launcher's cleanup after it does not
+        # cut short the others' handling of the error (they end within EXIT_GRACE_SECONDS).
+        from ..runtime.job_end import EXIT_GRACE_SECONDS  # (imports MPI: not before init)
+        rt.failures.say_ended()
+        rt.failures.await_ended(EXIT_GRACE_SECONDS)
         process_hooks.exit_now(1 if code is None else code)
 
 

@@ -34,6 +34,7 @@ _log = logging.getLogger("horolite.failure.channel")
 _TAG = 18
 _ACK_TAG = 19
 _RELEASE_TAG = 20
+_ENDED_TAG = 21
 NOTICE_BYTES = 4096
 # How often a cycle looks for a notice (waits look too, every 20 ms: collective_watch.py).
 LOOK_SECONDS = 0.001
@@ -77,6 +78,7 @@ class FailureChannel:
         self.heard: Optional[Notice] = None
         self._next_look = 0.0  # see check
         self.sent: Optional[Notice] = None
+        self._said_ended = False
         self._lock = threading.Lock()
         self._inbox = np.zeros(NOTICE_BYTES, dtype=np.uint8)
         self.status = MPI.Status()
@@ -161,6 +163,35 @@ class FailureChannel:
         request = self.comm.Irecv(flag, source=self.heard.rank, tag=_RELEASE_TAG)
         if not _wait_until([request], time.monotonic() + ACK_SECONDS + 0.5):
             request.Cancel()
+
+    def say_ended(self) -> None:
+        """This rank is done with a job that failed (it is ending, or its user code shut
+        horolite down): tell every peer, which may be holding its own end for it."""
+        if (self.sent is None and self.heard is None) or self.silent() or self._said_ended:
+            return
+        self._said_ended = True
+        unsafe = self.unsafe()
+        requests = [self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=q, tag=_ENDED_TAG)
+                    for q in range(self.size) if q != self.rank and q not in unsafe]
+        _wait_until(requests, time.monotonic() + 0.5)
+
+    def await_ended(self, seconds: float) -> bool:
+        """Before a rank of a failed job ends: wait up to `seconds` for every peer to say
+        it ended. Once one rank ends with an error, mpirun ends the others, and their user
+        code may still be handling the error it got (logging it, saving state): so every
+        rank ends only when all are done with it."""
+        if (self.sent is None and self.heard is None) or self.silent():
+            return True
+        unsafe = self.unsafe()
+        peers = [q for q in range(self.size) if q != self.rank and q not in unsafe]
+        flags = np.zeros(len(peers), dtype=np.uint8)
+        requests = [self.comm.Irecv(flags[i:i + 1], source=q, tag=_ENDED_TAG)
+                    for i, q in enumerate(peers)]
+        if _wait_until(requests, time.monotonic() + seconds):
+            return True
+        for request in requests:
+            request.Cancel()
+        return False
 
 
 def _wait_until(requests, deadline: float) -> bool:
