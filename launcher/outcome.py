@@ -74,6 +74,11 @@ class JobOutcome:
             status = self.ranks.get(origin)
             if status is None or (status.signal or status.code) and not status.stopped:
                 return None  # it failed by itself (killed, say): the failure's own summary
+            if status.code is None and self.first_failure is not None:
+                # It never reported its end, and a rank did fail by itself: that rank's
+                # death ended it too (mpirun cleans up around a killed rank), and the
+                # others heard of the death through it.
+                return None
             left = describe_exit(status) if status.code is not None else f"rank {origin} ended"
             text = f"{left} while other ranks still ran collectives"
             code = status.code or 1

@@ -123,3 +123,30 @@ def test_a_sigterm_from_outside_before_any_rank_ended_stays_the_cause():
     assert result.exit_code == 143
     assert result.message == ("job failed: rank 0 (host a) was killed by signal 15 (SIGTERM); "
                               "ranks stopped as a result: 1")
+
+
+def test_a_rank_the_others_heard_it_through_but_that_never_reported_is_not_the_cause():
+    """Rank 3 is killed; mpirun's cleanup ends rank 2 (its host's other rank) before it
+    reports anything, and ranks 0 and 1 heard of the death through rank 2's connections."""
+    sup = supervisor(4)
+    feed(sup, ["##horolite-run## start rank=3 host=b pid=5 pgid=6",
+               "##horolite-run## exit rank=3 host=b code=137 signal=9 stopped=0 ended=100.0",
+               "[0]<stderr>:##horolite-run## stopped rank=0 by=2 text=the connection to rank 2 closed",
+               "[1]<stderr>:##horolite-run## stopped rank=1 by=2 text=the connection to rank 2 closed",
+               "##horolite-run## exit rank=0 host=a code=1 signal=0 stopped=0 ended=100.1",
+               "##horolite-run## exit rank=1 host=a code=1 signal=0 stopped=0 ended=100.1"],
+         exits_as_the_main_loop=True)
+    result = sup._result(1)
+    assert result.exit_code == 137, result.message
+    assert result.message == ("job failed: rank 3 (host b, pid 6) was killed by signal 9 "
+                              "(SIGKILL); ranks stopped as a result: 0, 1, 2")
+
+
+def test_a_rank_that_never_reported_is_the_origin_when_nobody_failed_by_itself():
+    sup = supervisor(2)
+    feed(sup, ["[0]<stderr>:##horolite-run## stopped rank=0 by=1 text=the connection to rank 1 closed",
+               "##horolite-run## exit rank=0 host=a code=1 signal=0 stopped=0 ended=100.1"],
+         exits_as_the_main_loop=True)
+    result = sup._result(1)
+    assert result.message == ("job failed: rank 1 ended while other ranks still ran "
+                              "collectives; ranks stopped as a result: 0"), result.message
