@@ -34,6 +34,9 @@ class HostControl:
     def __init__(self, comm: MPI.Comm, local: MPI.Comm, words: int, polite: bool):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.waiter = None  # set by the transport (mpi.MPITransport)
+        # The leaders' exchange over horolite's TCP connections (tcp_control.TcpControl,
+        # set on leaders by tcp.attach), else None: MPI among the leaders.
+        self.tcp = None
         self.leader = local.Get_rank() == 0
         # (the first rank of each host leads it: rank 0 leads its host and the leaders)
         self.leaders = comm.Split(0 if self.leader else MPI.UNDEFINED, self.rank)
@@ -64,7 +67,9 @@ class HostControl:
             board.exchange_or(vector, out, watch, idle, urgent)  # the host's OR
         else:
             out[:] = vector
-        if self.leader:
+        if self.leader and self.tcp is not None:
+            self.tcp.or_in_place(out)
+        elif self.leader:
             self.waiter.guard()
             self.waiter.wait(self.leaders.Iallreduce(MPI.IN_PLACE, out, op=MPI.BOR), idle=idle)
         if board is not None:  # the leader's answer to the rest of the host
@@ -80,8 +85,9 @@ class HostControl:
         if not self.leader:
             return None
         lengths = np.array([len(p) for p in parts], dtype=_LENGTH)
-        blobs = gather_bytes(self.leaders, self.waiter,
-                             lengths.tobytes() + b"".join(parts), 0)
+        blob = lengths.tobytes() + b"".join(parts)
+        blobs = (self.tcp.gather_bytes(blob) if self.tcp is not None
+                 else gather_bytes(self.leaders, self.waiter, blob, 0))
         if blobs is None:
             return None
         gathered: List[bytes] = [b""] * self.size
@@ -96,7 +102,8 @@ class HostControl:
     def bcast_bytes(self, data) -> bytes:
         """`data` from rank 0 (ignored elsewhere) on every rank."""
         if self.leader:
-            data = bcast_bytes(self.leaders, self.waiter, data, 0)
+            data = (self.tcp.bcast_bytes(data) if self.tcp is not None
+                    else bcast_bytes(self.leaders, self.waiter, data, 0))
         if self.board is not None:
             data = self.board.bcast_bytes(data, 0, self._watch())
         return data

@@ -247,6 +247,9 @@ class MPITransport:
         # transport.tcp.TcpMesh when the rings' pieces cross hosts over horolite's own TCP
         # connections (the rings' links are then tcp_link.TcpLink), else None.
         self.cross_host = None
+        # transport.tcp_control.TcpControl when the control exchange among every rank goes
+        # over those connections too (hosts of one rank each), else None.
+        self.control_tcp = None
         # Which path served each allreduce and allgather (one add each): how tests see
         # that a setting or a host layout took effect.
         self.paths = {"shared_memory": 0, "hierarchical": 0, "ring": 0,
@@ -281,6 +284,10 @@ class MPITransport:
         if self.host_control is not None:
             self.host_control.exchange_or(vector, out, idle, urgent)
             return
+        if self.control_tcp is not None:
+            out[:] = vector
+            self.control_tcp.or_in_place(out)
+            return
         waiter.guard()
         req = self.control_comm.Iallreduce(vector, out, op=MPI.BOR)
         waiter.wait(req, idle=idle)
@@ -291,6 +298,8 @@ class MPITransport:
             return self.board.gather_bytes(data, root, self.control_waiter.watch)
         if self.host_control is not None and root == 0:
             return self.host_control.gather_bytes(data)
+        if self.control_tcp is not None and root == 0:
+            return self.control_tcp.gather_bytes(data)
         return gather_bytes(self.control_comm, self.control_waiter, data, root)
 
     def bcast_bytes(self, data, root: int = 0) -> bytes:
@@ -299,6 +308,8 @@ class MPITransport:
             return self.board.bcast_bytes(data, root, self.control_waiter.watch)
         if self.host_control is not None and root == 0:
             return self.host_control.bcast_bytes(data)
+        if self.control_tcp is not None and root == 0:
+            return self.control_tcp.bcast_bytes(data)
         return bcast_bytes(self.control_comm, self.control_waiter, data, root)
 
     def allgather_ints(self, values: np.ndarray) -> np.ndarray:
@@ -400,6 +411,9 @@ class MPITransport:
         if self.cross_host is not None:
             self.cross_host.close()
             self.cross_host = None
+        # transport.tcp_control.TcpControl when the control exchange among every rank goes
+        # over those connections too (hosts of one rank each), else None.
+        self.control_tcp = None
         for comm in (self.data_comm, self.control_comm):
             try:
                 comm.Free()

@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 from ..failure.links import LinkLost
 from .ring import Ring
+from .tcp_control import RING_MAX, ControlWaiter, TcpControl
 from .tcp_link import Peer, TcpLink
 
 __all__ = ["choose", "TcpMesh", "open_mesh", "attach", "interface_address", "SetupError"]
@@ -315,17 +316,33 @@ def attach(transport, comm: MPI.Comm, hostnames: Sequence[str], where, cfg) -> T
         cross = hier.cross_comm.allgather(rank)
         rings.append((2, local, lambda link: setattr(hier, "local", Ring(link))))
         rings.append((3, cross, lambda link: setattr(hier, "cross", Ring(link))))
+    # The control exchange across hosts: among the hosts' leaders where ranks meet on a
+    # host's board first (host_control.py), else among every rank (tcp_control.py).
+    host_control = transport.host_control
+    talkers = ([h[0] for h in host_control.hosts] if host_control is not None
+               else list(range(size)))
+    if len(talkers) <= RING_MAX:
+        def install_control(link):
+            control = TcpControl(link)
+            if host_control is not None:
+                host_control.tcp = control if host_control.leader else None
+            else:
+                transport.control_tcp = control
+        rings.append((4, talkers, install_control))
     wanted = set()
     for _, ranks, _ in rings:
         wanted |= _neighbours(ranks, rank)
     mesh = open_mesh(comm, sorted(wanted), hostnames, where, cfg.tcp_iface, cfg.tcp_port_range,
                      max(1, cfg.tcp_streams), cfg.tcp_timeout_seconds)
-    links = []
+    links = {}
     for link_id, ranks, install in rings:
-        link = TcpLink(mesh, link_id, ranks, transport.waiter)
+        if rank not in ranks:
+            continue  # (a host's other ranks, for the leaders' control ring)
+        waiter = ControlWaiter(transport) if link_id == 4 else transport.waiter
+        link = TcpLink(mesh, link_id, ranks, waiter)
         install(link)
-        links.append(link)
+        links[link_id] = link
     if hier is not None:
-        hier.driver = links[-1]  # waits on requests of both its rings (one condition)
+        hier.driver = links[3]  # waits on requests of both its rings (one condition)
     transport.cross_host = mesh
     return mesh

@@ -181,6 +181,21 @@ def test_peer_connections_are_watched_only_across_hosts():
     assert (rt.links is not None) == (len(hosts) > 1), hosts
 
 
+def test_over_tcp_the_control_exchange_goes_over_tcp_too():
+    # (transport/tcp_control.py: among every rank, or among the hosts' leaders)
+    rt = hvd.api.basics.runtime()
+    transport = rt.transport
+    if transport.cross_host is None:
+        assert transport.control_tcp is None
+        return
+    host_control = transport.host_control
+    if host_control is None:
+        assert transport.control_tcp is not None
+    else:
+        assert transport.control_tcp is None
+        assert (host_control.tcp is not None) == host_control.leader
+
+
 @multi
 def test_stall_shutdown_ends_the_job_with_the_message():
     reinit(HOROLITE_STALL_CHECK_TIME_SECONDS="0.5", HOROLITE_STALL_SHUTDOWN_TIME_SECONDS="1.5")

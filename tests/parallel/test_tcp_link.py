@@ -5,7 +5,8 @@ pretend hosts (over loopback). The ring over the TCP link with tiny pieces and a
 window (every dtype and op, uneven and zero sizes, reducescatter, allgather) against
 NumPy; messages that arrive before their receive, per-tag order over several
 streams; a slow reader that fills the socket buffers; a wait that sleeps in the
-kernel (counted in context switches, not time); a peer that closes; set-up errors
+kernel (counted in context switches, not time); the control exchange over the ring
+(OR, gather, broadcast) and its waits; a peer that closes; set-up errors
 (an interface that does not exist, a taken port range, an address that refuses).
 """
 import re
@@ -22,6 +23,7 @@ from horolite.failure.links import LinkLost
 from horolite.transport import ring as ring_module
 from horolite.transport import tcp
 from horolite.transport.ring import Ring, even_bounds
+from horolite.transport.tcp_control import TcpControl
 from horolite.transport.tcp_link import TcpLink
 from pretend_hosts import layout
 
@@ -172,6 +174,49 @@ def test_a_wait_sleeps_in_the_kernel(mesh2):
 def _voluntary_switches():
     with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt"))
+
+
+@pytest.mark.parametrize("members", ["every rank", "first and last"])
+def test_the_control_exchange(mesh2, members):
+    """The control exchange over the ring (tcp_control.py): OR, gather at the first
+    participant and broadcast from it, against NumPy, with empty and uneven payloads;
+    among every rank, and among two of them (as hosts' leaders are)."""
+    ranks = list(range(SIZE)) if members == "every rank" else [0, SIZE - 1]
+    link_id = 10 if members == "every rank" else 11
+    control = TcpControl(TcpLink(mesh2, link_id, ranks, Watch())) if RANK in ranks else None
+    COMM.Barrier()
+    if control is not None:
+        for round_ in range(3):
+            words = [np.random.default_rng(100 * q + round_).integers(0, 2**63, 5, np.uint64)
+                     for q in ranks]
+            out = words[ranks.index(RANK)].copy()
+            control.or_in_place(out)
+            np.testing.assert_array_equal(out, np.bitwise_or.reduce(words))
+            payload = [bytes([q % 251]) * (q * 37 * round_) for q in ranks]
+            got = control.gather_bytes(payload[ranks.index(RANK)])
+            assert got == (payload if RANK == 0 else None)
+            answer = b"answer %d " % round_ * (1000 * round_)
+            assert control.bcast_bytes(answer if RANK == 0 else b"") == answer
+    COMM.Barrier()
+
+
+def test_a_control_round_sleeps_in_the_kernel(mesh2):
+    """Rank 0's OR waits a second for the last rank: its thread switches out a handful
+    of times, not thousands (MPI's control exchange polled through such waits)."""
+    control = TcpControl(TcpLink(mesh2, 12, range(SIZE), Watch()))
+    COMM.Barrier()
+    found = None
+    if RANK == SIZE - 1:
+        time.sleep(1.0)
+    out = np.array([1 << RANK], np.uint64)
+    switches = _voluntary_switches()
+    control.or_in_place(out)
+    if RANK == 0:
+        found = _voluntary_switches() - switches
+    COMM.Barrier()
+    assert int(out[0]) == (1 << SIZE) - 1
+    if found is not None:
+        assert found < 60, f"{found} context switches in a 1 s control round: a polling loop?"
 
 
 def test_a_slow_reader_fills_the_socket_buffers(mesh2):
