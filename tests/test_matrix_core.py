@@ -48,8 +48,11 @@ def test_lifecycle(np_, variant):
                          + [(3, "lane-mpi-ring")] + [(n, "lane-autotune") for n in RANK_COUNTS]
                          + [(n, "pretend-hosts") for n in (2, 4)])
 def test_exchange_lane(np_, variant):
-    env = ({"HOROLITE_TEST_HOST_IDENTITY": "1+1" if np_ == 2 else "2+2"}
-           if variant == "pretend-hosts" else VARIANTS[variant])  # there `auto` turns it on
+    # (pretend hosts: there `auto` turns the lane on; over MPI here, over horolite's TCP
+    # connections in test_runtime_over_tcp)
+    env = ({"HOROLITE_TEST_HOST_IDENTITY": "1+1" if np_ == 2 else "2+2",
+            "HOROLITE_CROSS_HOST_TRANSPORT": "mpi"}
+           if variant == "pretend-hosts" else VARIANTS[variant])
     run_pytest_file(os.path.join(PARALLEL, "test_exchange_lane.py"), np_, env)
 
 
@@ -269,7 +272,8 @@ def test_pretend_hosts_stragglers(layout):
 
 
 # horolite's own TCP connections between hosts (transport/tcp.py), on pretend hosts over
-# loopback: the transport's own tests, then the runtime's over it.
+# loopback: the transport's own tests, then the runtime's over it (the default across
+# pretend hosts too), and the matrix over MPI's messages across them (the other choice).
 TCP_LAYOUTS = {2: "1+1", 3: "1+1+1", 4: "2+2"}
 
 
@@ -284,9 +288,9 @@ def test_tcp_link(np_, layout):
 
 
 @pytest.mark.parametrize("np_", sorted(TCP_LAYOUTS))
-def test_collectives_over_tcp(np_):
+def test_collectives_over_mpi_across_hosts(np_):
     run_pytest_file(os.path.join(PARALLEL, "test_collectives.py"), np_,
-                    tcp_env(TCP_LAYOUTS[np_]))
+                    dict(tcp_env(TCP_LAYOUTS[np_]), HOROLITE_CROSS_HOST_TRANSPORT="mpi"))
 
 
 @pytest.mark.parametrize("np_,test", [(2, "test_exchange_lane.py"), (4, "test_exchange_lane.py"),
@@ -307,15 +311,15 @@ with open(os.path.join(sys.argv[1], "tcp.%d" % hvd.rank()), "w") as out:
 
 @pytest.mark.parametrize("env,on,why", [
     ({}, False, None),
-    ({"HOROLITE_TEST_HOST_IDENTITY": "1+1"}, False, "over MPI: HOROLITE_CROSS_HOST_TRANSPORT=mpi"),
-    ({"HOROLITE_TEST_HOST_IDENTITY": "1+1", "HOROLITE_CROSS_HOST_TRANSPORT": "auto"}, True,
-     "horolite's TCP connections: no RDMA device"),
+    ({"HOROLITE_TEST_HOST_IDENTITY": "1+1"}, True, "horolite's TCP connections: no RDMA device"),
+    ({"HOROLITE_TEST_HOST_IDENTITY": "1+1", "HOROLITE_CROSS_HOST_TRANSPORT": "mpi"}, False,
+     "over MPI: HOROLITE_CROSS_HOST_TRANSPORT=mpi"),
     ({"HOROLITE_TEST_HOST_IDENTITY": "1+1", "HOROVOD_CROSS_HOST_TRANSPORT": "tcp"}, True,
      "horolite's TCP connections: HOROLITE_CROSS_HOST_TRANSPORT=tcp")])
 def test_the_cross_host_transport_is_chosen_and_said(env, on, why, tmp_path):
-    """MPI across (pretend) hosts by default; `auto`: horolite's connections with no RDMA
-    device; the choice and why logged once by rank 0; never on one host; HOROVOD_ spelling
-    accepted."""
+    """`auto` (the default): horolite's connections across (pretend) hosts with no RDMA
+    device; `mpi` keeps MPI; the choice and why logged once by rank 0; never on one host;
+    HOROVOD_ spelling accepted."""
     import subprocess
     import sys
     from mpirun import mpirun_command

@@ -187,12 +187,12 @@ SETTINGS: Tuple[Setting, ...] = (
             "at once; on the background thread on one host; `1` always a thread of their "
             "own, `0` never (needs MPI's THREAD_MULTIPLE)",
             "exchange_pipeline"),
-    Setting("CROSS_HOST_TRANSPORT", ("auto", "tcp", "mpi"), "mpi",
-            "what carries the ring's pieces between hosts: `mpi` MPI's point-to-point messages "
-            "(waits poll MPI), `tcp` horolite's own TCP connections (threads that sleep in the "
-            "kernel while the network works: waiting costs no CPU), `auto` `tcp` unless a host "
-            "has an RDMA device (/sys/class/infiniband), then `mpi`; one host always uses shared "
-            "memory (see Many hosts)",
+    Setting("CROSS_HOST_TRANSPORT", ("auto", "tcp", "mpi"), "auto",
+            "what carries the rings' pieces and the control exchange between hosts: `tcp` "
+            "horolite's own TCP connections (threads that sleep in the kernel while the network "
+            "works: waiting costs no CPU), `mpi` MPI's point-to-point messages (waits poll MPI), "
+            "`auto` `tcp` unless a host has an RDMA device (/sys/class/infiniband), then `mpi`; "
+            "one host always uses shared memory (see Many hosts)",
             "cross_host_transport", "--cross-host-transport"),
     Setting("TCP_IFACE", str, "",
             "the network interface horolite's TCP connections listen and connect on (e.g. "
