@@ -158,7 +158,7 @@ def test_process_sets(np_, variant):
 
 
 SET_FAILURE_SCRIPT = """
-import os, sys
+import os, sys, time
 import numpy as np
 import horolite as hvd
 pair = hvd.ProcessSet([0, 1])
@@ -177,6 +177,8 @@ try:
     else:  # rank 2 never submits it
         hvd.allreduce(np.ones(2), name="never")
 except Exception as e:
+    if r == 0:  # a handler that takes its time (a checkpoint, say) still runs to its end
+        time.sleep(1.0)
     open(os.path.join(sys.argv[1], "rank.%d" % r), "w").write("%s: %s" % (type(e).__name__, e))
     raise
 """

@@ -144,11 +144,12 @@ def _shutdown_at_exit() -> None:
           exiting=-1 if code is None else code)
     if doomed:
         remove_mapped()  # no MPI_Finalize to unlink the job's shared memory
-        # The rank that failed ends last, so that the launcher's cleanup after it does not
-        # cut short the others' handling of the error (they end within EXIT_GRACE_SECONDS).
+        # A failed job's ranks end together: mpirun ends them all once one ends with an
+        # error, which would cut short the others' handling of it (failure/channel.py).
         from ..runtime.job_end import EXIT_GRACE_SECONDS  # (imports MPI: not before init)
-        rt.failures.say_ended()
-        rt.failures.await_ended(EXIT_GRACE_SECONDS)
+        if not rt._thread.is_alive():  # (else MPI could be called from two threads at once)
+            rt.failures.say_ended()
+            rt.failures.await_ended(EXIT_GRACE_SECONDS)
         process_hooks.exit_now(1 if code is None else code)
 
 

@@ -271,7 +271,7 @@ class Runtime(JobEnd):
         if self.nccl is not None and not self._thread.is_alive():
             self.nccl.close()  # GPU path: free the communicator so a later init() makes a new one
         self.timeline.close()
-        if self.doomed is not None and exiting is None:
+        if self.doomed is not None and exiting is None and not self._thread.is_alive():
             self.failures.say_ended()  # its user code handled the failure: nobody waits for it
 
     def _set_setting(self):
