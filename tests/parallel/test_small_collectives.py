@@ -162,14 +162,15 @@ def test_a_late_rank_waits_in_the_callers_turn():
     # has run a cycle on its calling thread, waiting there in the board's round for the late
     # rank (runtime/turns.py), or for two seconds: a rank whose peers already wait in the
     # round is rung, and its background thread may take the cycles first. So: in one of
-    # six tries, some rank waited on its caller's turn (the ranks' answers gathered over
-    # MPI). Without a board no caller runs cycles. (Three tries at np 4 on 2 busy cores
-    # once saw none: every rank's background thread was mid-cycle each time.)
+    # twelve tries, some rank waited on its caller's turn (the ranks' answers gathered over
+    # MPI after each try; the first that sees it ends them). Without a board no caller runs
+    # cycles. (Six tries at np 2 under Open MPI on 2 busy cores once saw none: every rank's
+    # background thread was mid-cycle each time.)
     comm, late = MPI.COMM_WORLD, SIZE - 1
     want = np.full(4, float(sum(range(SIZE))))
     hvd.allreduce(np.full(4, float(RANK), np.float32), op=hvd.Sum, name="turn.late")  # cached
     seen = []
-    for _ in range(6):
+    for _ in range(12):
         hvd.barrier()
         if RANK == late:
             for peer in range(SIZE - 1):
@@ -190,6 +191,8 @@ def test_a_late_rank_waits_in_the_callers_turn():
             got = hvd.allreduce(np.full(4, float(RANK), np.float32), op=hvd.Sum, name="turn.late")
             releaser.join()
         np.testing.assert_array_equal(got, want)
+        if comm.allreduce(bool(seen and seen[-1]), op=MPI.LOR):
+            break
     everyone = comm.allgather(seen)
     assert any(any(s) for s in everyone) == BOARD, everyone
 
