@@ -140,8 +140,7 @@ class FailureChannel:
             return False
         self.sent = Notice(self.rank, text)
         data = np.frombuffer(self.sent.encode(), dtype=np.uint8)
-        unsafe = self.unsafe()
-        peers = [q for q in range(self.size) if q != self.rank and q not in unsafe]
+        peers = self._reachable_peers()
         acks = np.zeros(len(peers), dtype=np.uint8)
         requests = [self.comm.Irecv(acks[i:i + 1], source=q, tag=_ACK_TAG)
                     for i, q in enumerate(peers)]
@@ -167,12 +166,11 @@ class FailureChannel:
     def say_ended(self) -> None:
         """This rank is done with a job that failed (it is ending, or its user code shut
         horolite down): tell every peer, which may be holding its own end for it."""
-        if (self.sent is None and self.heard is None) or self.silent() or self._said_ended:
+        if not self._in_failed_job() or self._said_ended:
             return
         self._said_ended = True
-        unsafe = self.unsafe()
         requests = [self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=q, tag=_ENDED_TAG)
-                    for q in range(self.size) if q != self.rank and q not in unsafe]
+                    for q in self._reachable_peers()]
         _wait_until(requests, time.monotonic() + 0.5)
 
     def await_ended(self, seconds: float) -> bool:
@@ -180,10 +178,9 @@ class FailureChannel:
         it ended. Once one rank ends with an error, mpirun ends the others, and their user
         code may still be handling the error it got (logging it, saving state): so every
         rank ends only when all are done with it."""
-        if (self.sent is None and self.heard is None) or self.silent():
+        if not self._in_failed_job():
             return True
-        unsafe = self.unsafe()
-        peers = [q for q in range(self.size) if q != self.rank and q not in unsafe]
+        peers = self._reachable_peers()
         flags = np.zeros(len(peers), dtype=np.uint8)
         requests = [self.comm.Irecv(flags[i:i + 1], source=q, tag=_ENDED_TAG)
                     for i, q in enumerate(peers)]
@@ -192,6 +189,15 @@ class FailureChannel:
         for request in requests:
             request.Cancel()
         return False
+
+    def _in_failed_job(self) -> bool:
+        """A notice went or came, and MPI may still be used."""
+        return (self.sent is not None or self.heard is not None) and not self.silent()
+
+    def _reachable_peers(self) -> list:
+        """Every other rank but those no send may reach (`unsafe`)."""
+        unsafe = self.unsafe()
+        return [q for q in range(self.size) if q != self.rank and q not in unsafe]
 
 
 def _wait_until(requests, deadline: float) -> bool:

@@ -411,9 +411,7 @@ class MPITransport:
         if self.cross_host is not None:
             self.cross_host.close()
             self.cross_host = None
-        # transport.tcp_control.TcpControl when the control exchange among every rank goes
-        # over those connections too (hosts of one rank each), else None.
-        self.control_tcp = None
+        self.control_tcp = None  # (its connections were the mesh's)
         for comm in (self.data_comm, self.control_comm):
             try:
                 comm.Free()

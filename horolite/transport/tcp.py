@@ -325,7 +325,7 @@ def attach(transport, comm: MPI.Comm, hostnames: Sequence[str], where, cfg) -> T
         def install_control(link):
             control = TcpControl(link)
             if host_control is not None:
-                host_control.tcp = control if host_control.leader else None
+                host_control.tcp = control  # (installed on the leaders alone)
             else:
                 transport.control_tcp = control
         rings.append((4, talkers, install_control))
