@@ -27,6 +27,9 @@ __all__ = ["LaunchConfig", "tunable_env", "config_from_args", "wrapper_argv", "c
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RANK_ENVIRONMENT = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "LD_LIBRARY_PATH")
 RANKWRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rankwrap.py")
+# How long a failed rank's wrapper stays up for horolite-run to end the job (rankwrap.py
+# --hold): more than the supervisor's fail_grace + kill_grace, so it is only a last resort.
+HOLD_SECONDS = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +132,7 @@ def _split(flag: str, text: str) -> Tuple[str, ...]:
 
 def wrapper_argv(config: LaunchConfig, python: Optional[str] = None) -> Tuple[str, ...]:
     """What every rank runs in front of the command: the rank wrapper."""
-    argv = [python or sys.executable, RANKWRAP]
+    argv = [python or sys.executable, RANKWRAP, "--hold", f"{HOLD_SECONDS:g}"]
     if config.output_filename:
         argv += ["--output-dir", config.output_filename]
     if config.timestamp_output:

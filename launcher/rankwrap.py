@@ -13,6 +13,12 @@ same Python exists (remote hosts included) without importing horolite.
   SIGTERM and SIGHUP are forwarded to that group and escalate to SIGKILL after
   ``--grace`` seconds; whatever is left of the group when the command ends is
   killed. So no process outlives its rank.
+- A command that failed (non-zero exit, or a signal not forwarded by the wrapper) is
+  reported at once, but with ``--hold S`` its wrapper stays up to S seconds more, until a
+  signal or until the MPI daemon above it is gone: mpirun ends every rank once one wrapper
+  ends with an error, and that would cut off the report of a rank still on its way (a rank
+  killed outright on a busy host, whose wrapper had not run yet). horolite-run ends the job
+  itself once every rank has reported (launcher/supervise.py).
 - The wrapper exits with the command's exit code (128+N for signal N).
 """
 import argparse
@@ -111,6 +117,9 @@ def main(argv=None):
     parser.add_argument("--timestamp", action="store_true", help="time in front of every line")
     parser.add_argument("--grace", type=float, default=3.0,
                         help="seconds between forwarding a signal and SIGKILL")
+    parser.add_argument("--hold", type=float, default=0.0,
+                        help="after a failed command, seconds to stay up (until a signal) "
+                             "before ending")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -127,12 +136,14 @@ def main(argv=None):
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")  # rank output shows up as it is printed
 
-    state = {"signal": None, "kill_at": None}
+    state = {"signal": None, "kill_at": None, "held": False}
 
     def on_signal(signum, frame):
         if state["signal"] is None:
             state["signal"] = signum
             state["kill_at"] = time.monotonic() + args.grace
+        if state["held"]:
+            return  # the command is gone (its group id may be another's by now)
         try:
             os.killpg(child.pid, signum)
         except (ProcessLookupError, PermissionError):
@@ -204,7 +215,18 @@ def main(argv=None):
     _marker("exit", rank=rank, size=size, host=host, code=code, signal=signum,
             stopped=int(state["signal"] is not None),
             ended=f"{time.time() if ended is None else ended:.6f}")
+    if code != 0 and state["signal"] is None and args.hold > 0:
+        state["held"] = True
+        _hold(args.hold, parent, state)
     return code
+
+
+def _hold(seconds, parent, state):
+    """Stay up after a failure was reported, until a signal comes (horolite-run ending
+    the job), the MPI daemon above is gone, or `seconds` pass."""
+    until = time.monotonic() + seconds
+    while state["signal"] is None and os.getppid() == parent and time.monotonic() < until:
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

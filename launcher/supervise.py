@@ -5,8 +5,11 @@ Ctrl-C reaches only the launcher) and two reader threads that copy mpirun's
 output to ours while picking out the rank wrappers' marker lines. The main
 thread waits on those events and enforces three rules:
 
-- a rank that fails (non-zero exit or signal) gets the job stopped: mpirun gets
-  ``fail_grace`` seconds to end the others itself, then SIGTERM, then SIGKILL;
+- a rank that fails (non-zero exit or signal) gets the job stopped: once every rank has
+  reported how it ended, or ``fail_grace`` seconds after the failure, mpirun gets SIGTERM,
+  then SIGKILL. A failed rank's wrapper holds its end until then (rankwrap.py ``--hold``),
+  so mpirun's own clean-up, which starts as the first wrapper ends with an error, cannot cut
+  off a report still on its way (a rank killed outright, whose wrapper runs late);
 - SIGINT/SIGTERM/SIGHUP to the launcher is forwarded to mpirun, with the same
   escalation (a second signal escalates at once);
 - every rank must report that it started within ``start_timeout`` seconds.
@@ -160,6 +163,8 @@ class Supervisor(JobOutcome):
                 elif kind == "exit" and stop_at is None and kill_at is None and \
                         int(fields.get("rank", -1)) in self.stopped_by:
                     stop_at = now + self.fail_grace  # stopped by another rank: end the job too
+                if kind == "exit" and stop_at is not None and self._all_reported():
+                    stop_at = now  # nothing more to hear: end the held wrappers now
             elif kind == "straggler":
                 self._straggler(fields)
             elif kind not in (None, "signal") and self.on_marker is not None:
@@ -227,6 +232,9 @@ class Supervisor(JobOutcome):
                 self._log(f"removed {len(files)} shared-memory segment(s) the job left in "
                           f"/dev/shm on {host}: {', '.join(os.path.basename(p) for p in files)}")
         return result
+
+    def _all_reported(self) -> bool:
+        return all(s.code is not None for s in self.ranks.values())
 
     def _straggler(self, fields) -> None:
         self.stragglers[fields.get("when", "window")] = fields.get("text", "")

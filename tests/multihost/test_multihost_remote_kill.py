@@ -66,6 +66,31 @@ def test_kill_9_of_a_remote_rank_never_crashes_a_survivor(hierarchical, bed, no_
         _assert_no_shared_memory_left(out, err, run)
 
 
+def test_a_killed_ranks_signal_is_named_when_its_wrapper_reports_after_the_others_ended(
+        bed, no_leftovers, tmp_path):
+    """Over TCP the survivors of a kill -9 fail within milliseconds; on a busy host the
+    killed rank's wrapper may not have run by then. Here it is stopped until 1.5 s after
+    its rank died: the survivors' wrappers hold their end (rankwrap.py --hold) so mpiexec's
+    clean-up does not kill it first, and the summary still names the signal (issue 57)."""
+    job = bed.popen(0, [HOROLITE_RUN, "-H", "hl-a:2,hl-b:2", "python", LOOP, str(tmp_path), "60"],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with stopped_at_exit(job):
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "3.pid").exists() and job.poll() is None and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = (tmp_path / "3.pid").read_text()
+        wrapper = bed.on("hl-b", ["ps", "-o", "ppid=", "-p", pid]).stdout.strip()
+        bed.on("hl-b", ["kill", "-STOP", wrapper])
+        bed.on("hl-b", ["kill", "-9", pid])
+        time.sleep(1.5)
+        bed.on("hl-b", ["kill", "-CONT", wrapper], check=False)
+        _, err = job.communicate(timeout=60)
+    assert job.returncode == 128 + 9, err[-3000:]
+    assert f"job failed: rank 3 (host hl-b, pid {pid}) was killed by signal 9 (SIGKILL); " \
+           "ranks stopped as a result: 0, 1, 2" in err, err[-3000:]
+
+
 def _assert_no_shared_memory_left(out, err, run=0):
     mapped = set()
     for rank in range(4):

@@ -394,8 +394,8 @@ def test_unknown_implementation():
 
 def test_wrapper_gets_output_dir(tmp_path):
     c = config(["-np", "2", "--output-filename", str(tmp_path / "logs"), "t"])
-    assert lmain.wrapper_argv(c, python="py") == ("py", lmain.RANKWRAP, "--output-dir",
-                                                   str(tmp_path / "logs"), "--")
+    assert lmain.wrapper_argv(c, python="py") == ("py", lmain.RANKWRAP, "--hold", "10",
+                                                   "--output-dir", str(tmp_path / "logs"), "--")
 
 
 # --- MPI discovery ---

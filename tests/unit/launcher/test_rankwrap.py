@@ -1,9 +1,12 @@
 """The rank wrapper run as mpirun runs it: its exit report says when the command ended,
 which the launcher orders failures on different hosts by."""
 import os
+import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from launcher.markers import marker_line, parse_marker
 
@@ -39,3 +42,36 @@ def test_the_end_time_is_the_commands_not_the_wrappers_when_leftovers_hold_its_p
     assert r.returncode == 3 and fields["code"] == "3"
     ended = float(fields["ended"])
     assert started <= ended and finished - ended >= 0.9, (started, ended, finished)
+
+
+def _exit_marker_then_wrapper(script, *options):
+    """The wrapper started as horolite-run starts it, read up to its exit report."""
+    proc = subprocess.Popen([sys.executable, WRAPPER, *options, "--", "sh", "-c", script],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PMI_RANK="1", PMI_SIZE="2"))
+    for line in proc.stderr:
+        marker = marker_line(line)
+        if marker and parse_marker(marker.decode())[0] == "exit":
+            return proc, parse_marker(marker.decode())[1]
+    proc.wait()
+    raise AssertionError("no exit report")
+
+
+def test_a_failed_commands_end_is_reported_at_once_and_held_until_a_signal():
+    # mpirun ends every rank once one wrapper ends with an error: held, it cannot cut off
+    # another rank's report still on its way (launcher/supervise.py ends the job).
+    proc, fields = _exit_marker_then_wrapper("exit 3", "--hold", "60")
+    try:
+        assert fields["code"] == "3"
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=1.0)  # reported, and still there
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 3  # the command's code, not the signal's
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_command_that_succeeded_is_not_held():
+    proc, fields = _exit_marker_then_wrapper("exit 0", "--hold", "60")
+    assert fields["code"] == "0" and proc.wait(timeout=30) == 0
