@@ -143,14 +143,25 @@ def _shutdown_at_exit() -> None:
     _stop(runtimes or [rt], timeout=1.0 if doomed else 30.0,
           exiting=-1 if code is None else code)
     if doomed:
-        remove_mapped()  # no MPI_Finalize to unlink the job's shared memory
-        # A failed job's ranks end together: mpirun ends them all once one ends with an
-        # error, which would cut short the others' handling of it (failure/channel.py).
-        from ..runtime.job_end import EXIT_GRACE_SECONDS  # (imports MPI: not before init)
-        if not rt._thread.is_alive():  # (else MPI could be called from two threads at once)
-            rt.failures.say_ended()
-            rt.failures.await_ended(EXIT_GRACE_SECONDS)
-        process_hooks.exit_now(1 if code is None else code)
+        try:
+            remove_mapped()  # no MPI_Finalize to unlink the job's shared memory
+            _end_together(rt)
+        except Exception as e:  # (an MPI error to a peer that just ended, say)
+            _log.warning("the failed job's end: %s: %s", type(e).__name__, e)
+        finally:  # never on to MPI_Finalize, which would wait for ranks that are gone
+            process_hooks.exit_now(1 if code is None else code)
+
+
+def _end_together(rt) -> None:
+    """A failed job's ranks end together: mpirun ends them all once one ends with an
+    error, which would cut short the others' handling of it (failure/channel.py); the rank
+    the failure came from ends first, as mpirun then names the first to end."""
+    from ..runtime.job_end import EXIT_GRACE_SECONDS  # (imports MPI: not before init)
+    if rt._thread.is_alive():  # (else MPI could be called from two threads at once)
+        return
+    rt.failures.say_ended()
+    if rt.failures.await_ended(EXIT_GRACE_SECONDS):
+        rt.failures.let_the_origin_end_first()
 
 
 def is_initialized() -> bool:

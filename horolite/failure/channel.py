@@ -41,6 +41,10 @@ LOOK_SECONDS = 0.001
 # How long a failing rank waits for the others to confirm its notice (a running peer
 # does within a few milliseconds; a frozen one never does).
 ACK_SECONDS = 3.0
+# How long a rank that only heard of a failure stays after every rank said it ended, so
+# the rank the failure came from ends first: plain mpirun and srun name the first rank to
+# end with an error as the job's failure.
+ORIGIN_LEAD_SECONDS = 0.15
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
 _MARKER = "##horolite-run##"
 
@@ -189,6 +193,13 @@ class FailureChannel:
         for request in requests:
             request.Cancel()
         return False
+
+    def let_the_origin_end_first(self) -> None:
+        """After `await_ended` succeeded: a rank that did not announce the failure waits
+        ORIGIN_LEAD_SECONDS, so the rank that did (already free to go) ends before it. Else
+        the last rank to say it ended, the one with the slowest handler, would end first."""
+        if self._in_failed_job() and self.sent is None:
+            time.sleep(ORIGIN_LEAD_SECONDS)
 
     def _in_failed_job(self) -> bool:
         """A notice went or came, and MPI may still be used."""
