@@ -8,14 +8,17 @@ socket. HOROLITE_CROSS_HOST_TRANSPORT=auto|tcp|mpi chooses; every rank logs the
 choice and why once at init.
 
 Set-up is collective over the runtime's communicator and never hangs: each rank
-listens (on HOROLITE_TCP_IFACE's address if set, on every address otherwise, within
-HOROLITE_TCP_PORT_RANGE if set), the addresses travel over MPI (an allgather), each
-rank connects to the ring neighbours above it and accepts those below, every step
-under HOROLITE_TCP_TIMEOUT_SECONDS; then the outcomes travel too, so one rank's
-failure (an unreachable address, a taken port range, a missing interface, a dropped
-connection) is the same clear error on every rank, naming both hosts and the address
-tried. Ranks of one real machine (pretend hosts in tests, or the in-host ring of
-the hierarchical allreduce) connect over loopback.
+listens on the addresses it offers (tcp_address.py: HOROLITE_TCP_IFACE's, or every
+address but loopback, bridges and interfaces without carrier) and on loopback, all on
+one port (within HOROLITE_TCP_PORT_RANGE if set); the addresses travel over MPI (an
+allgather), each rank connects to the ring neighbours above it, trying each one's
+addresses in turn until one answers the hello (tcp_hello.py: two-way, authenticated
+with a key that only MPI carried), and accepts those below, every step under
+HOROLITE_TCP_TIMEOUT_SECONDS; then the outcomes travel too, so one rank's failure (no
+address that answers, a taken port range, a missing interface) is the same clear error
+on every rank, naming both hosts and every address tried. Strangers that connect
+meanwhile are dropped. Ranks of one real machine (pretend hosts in tests, or the
+in-host ring of the hierarchical allreduce) connect over loopback.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from mpi4py import MPI
 
 from ..failure.links import LinkLost
 from .ring import Ring
+from . import tcp_address, tcp_hello
 from .tcp_control import RING_MAX, ControlWaiter, TcpControl
 from .tcp_link import Peer, TcpLink
 
@@ -40,8 +44,6 @@ __all__ = ["choose", "TcpMesh", "open_mesh", "attach", "interface_address", "Set
 
 _log = logging.getLogger("horolite.transport.tcp")
 
-_MAGIC = 0x686C7463  # "hltc": a connection's first word, then (rank, stream, job token)
-_HELLO = struct.Struct("<IiiQ")
 # Socket buffers asked for: one 1 MiB piece in flight several times over (Gloo asks up
 # to 32 MiB). Asked only where the kernel's maximum allows it: an explicit size below
 # that maximum would turn the kernel's own tuning (up to tcp_rmem's top) off.
@@ -68,15 +70,16 @@ def rdma_devices() -> List[str]:
 
 
 def choose(setting: str, comm: MPI.Comm, spans_hosts: bool) -> Tuple[bool, str]:
-    """(use horolite's TCP connections, why). Collective: every rank decides alike."""
-    value = str(setting).strip().lower()
+    """(use horolite's TCP connections, why). Collective: every rank decides alike, on rank
+    0's setting (ranks whose settings differ, per-host profiles, still agree)."""
     if not spans_hosts:
         return False, "every rank is on one host"
+    said = comm.allgather((str(setting).strip().lower(), rdma_devices()))
+    value, devices = said[0][0], [found for _, found in said]
     if value == "mpi":
         return False, "HOROLITE_CROSS_HOST_TRANSPORT=mpi"
     if value == "tcp":
         return True, "HOROLITE_CROSS_HOST_TRANSPORT=tcp"
-    devices = comm.allgather(rdma_devices())
     with_rdma = [q for q, found in enumerate(devices) if found]
     if with_rdma:
         return False, (f"an RDMA fabric is present (rank {with_rdma[0]} has "
@@ -94,49 +97,40 @@ def interface_address(name: str) -> Tuple[str, int]:
     return addr, ipaddress.IPv4Network(f"0.0.0.0/{mask}").prefixlen
 
 
-def _addresses(iface: str) -> List[Tuple[str, str, int]]:
-    """(interface, address, prefix) this rank can be reached at."""
-    if iface:
-        return [(iface,) + interface_address(iface)]
-    found = []
-    for _, name in socket.if_nameindex():
-        try:
-            addr, prefix = interface_address(name)
-        except OSError:
-            continue
-        if not addr.startswith("127."):
-            found.append((name, addr, prefix))
-    return found
+def port_candidates(ports: str) -> Sequence[int]:
+    """The ports HOROLITE_TCP_PORT_RANGE allows ("" any, "40000" or "40000-40100")."""
+    if not ports.strip():
+        return [0] * 5  # (any port; tried again if a second address has it taken)
+    lo, _, hi = ports.strip().partition("-")
+    try:
+        first, last = int(lo), int(hi or lo)
+    except ValueError:
+        first, last = -1, -1
+    if not 0 < first <= last < 65536:
+        raise OSError(f"HOROLITE_TCP_PORT_RANGE={ports!r} is not a port or a range of ports "
+                      "such as 40000-40100")
+    return range(first, last + 1)
 
 
-def _pick(mine: Sequence[Tuple[str, str, int]], theirs: Sequence[Tuple[str, str, int]]) -> str:
-    """The peer's address on a network this rank is on (else its first)."""
-    for _, addr, prefix in theirs:
-        for _, own, own_prefix in mine:
-            if ipaddress.ip_address(addr) in ipaddress.ip_network(f"{own}/{own_prefix}", False):
-                return addr
-    return theirs[0][1]
-
-
-def _listen(bind: str, ports: str) -> socket.socket:
-    """A listening socket on `bind`, on a port of `ports` ("" any, "40000-40100")."""
-    if ports:
-        lo, _, hi = ports.partition("-")
-        candidates = range(int(lo), int(hi or lo) + 1)
-    else:
-        candidates = [0]
+def _listen(binds: Sequence[str], ports: str) -> List[socket.socket]:
+    """Listening sockets on each address of `binds`, all on one port of `ports`."""
     last = None
-    for port in candidates:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    for port in port_candidates(ports):
+        socks: List[socket.socket] = []
         try:
-            sock.bind((bind, port))
-            sock.listen(128)
-            return sock
+            for bind in binds:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((bind, port))
+                sock.listen(128)
+                port = sock.getsockname()[1]  # (port 0: the first address's, for the rest)
+            return socks
         except OSError as e:
             last = e
-            sock.close()
-    raise OSError(f"no free port in HOROLITE_TCP_PORT_RANGE={ports} on {bind or '0.0.0.0'} "
+            for sock in socks:
+                sock.close()
+    raise OSError(f"no free port in HOROLITE_TCP_PORT_RANGE={ports} on {', '.join(binds)} "
                   f"(last: {last.strerror if last else '?'})")
 
 
@@ -200,76 +194,46 @@ def open_mesh(comm: MPI.Comm, wanted: Sequence[int], hostnames: Sequence[str], w
     every rank calls it, each with its own `wanted` (symmetric: q in mine iff I am in q's).
     SetupError on every rank if any rank failed."""
     rank = comm.Get_rank()
-    iface = iface.split(",")[0].strip()  # (a list, as horolite-run's --network-interface takes)
     machine = MPI.Get_processor_name()
-    listener, info, problem = None, None, None
+    key = comm.bcast(os.urandom(32) if rank == 0 else None)
+    same_machine = not iface  # ranks of one machine meet on loopback unless told otherwise
+    listeners, info, problem = [], None, None
     try:
-        addrs = _addresses(iface)
-        bind = addrs[0][1] if iface else ""
-        listener = _listen(bind, ports)
-        info = {"machine": machine, "addrs": addrs, "port": listener.getsockname()[1]}
+        addrs = tcp_address.offered(iface)
+        binds = [a.addr for a in addrs] + ([LOOPBACK] if same_machine else [])
+        listeners = _listen(binds, ports)
+        info = {"machine": machine, "addrs": addrs, "port": listeners[0].getsockname()[1],
+                "named": tcp_address.own_host_addresses()}
     except OSError as e:
-        what = f"network interface {iface!r}" if iface and "PORT_RANGE" not in str(e) else ""
-        problem = (f"{where(rank)}: cannot listen"
-                   + (f" on {what} (HOROLITE_TCP_IFACE; its interfaces: "
-                      f"{', '.join(n for _, n in socket.if_nameindex())})" if what else "")
-                   + f": {e.strerror or e}")
+        problem = f"{where(rank)}: cannot listen: {e.strerror or e}"
     everyone = comm.allgather((info, problem))
     problems = [p for _, p in everyone if p]
     if problems:
-        if listener is not None:
+        for listener in listeners:
             listener.close()
         raise SetupError("horolite's TCP connections between hosts: " + "; ".join(problems))
-    token = comm.bcast(int.from_bytes(os.urandom(8), "little") if rank == 0 else None)
-    mesh = TcpMesh(rank, where)
-    socks: Dict[int, List[Optional[socket.socket]]] = {q: [None] * streams for q in wanted}
     deadline = time.monotonic() + timeout
+    acceptor = tcp_hello.Acceptor(listeners, rank, {q: streams for q in wanted if q < rank}, key)
+    mine: Dict[int, List[socket.socket]] = {}
     problem = None
     try:
         for q in sorted(q for q in wanted if q > rank):
-            peer_info = everyone[q][0]
-            addr = (LOOPBACK if not iface and (peer_info["machine"] == machine
-                                               or not peer_info["addrs"])
-                    else _pick(info["addrs"], peer_info["addrs"]))
-            for s in range(streams):
-                try:
-                    sock = socket.create_connection(
-                        (addr, peer_info["port"]), timeout=max(0.1, deadline - time.monotonic()))
-                    sock.sendall(_HELLO.pack(_MAGIC, rank, s, token))
-                except OSError as e:
-                    why = (f"no answer within {timeout:g} s (HOROLITE_TCP_TIMEOUT_SECONDS): a "
-                           "firewall dropping it, or no route?" if isinstance(e, socket.timeout)
-                           else e.strerror or str(e))
-                    raise SetupError(f"{where(rank)} could not connect to {where(q)} at "
-                                     f"{addr}:{peer_info['port']}: {why}") from None
-                socks[q][s] = sock
-        expected = sum(streams for q in wanted if q < rank)
-        while expected:
-            listener.settimeout(max(0.05, deadline - time.monotonic()))
-            try:
-                sock, _ = listener.accept()
-                sock.settimeout(max(0.05, deadline - time.monotonic()))
-                hello = _recv_hello(sock)
-            except socket.timeout:
-                missing = sorted(q for q in wanted if q < rank and None in socks[q])
-                raise SetupError(
-                    f"{where(rank)} heard nothing within {timeout:g} s "
-                    f"(HOROLITE_TCP_TIMEOUT_SECONDS) from "
-                    f"{', '.join(where(q) for q in missing)}, which should have connected to "
-                    f"{info['addrs'][0][1] if info['addrs'] else 'this host'}:{info['port']}"
-                    ) from None
-            magic, q, s, their_token = hello
-            if magic != _MAGIC or their_token != token or q not in socks or s >= streams:
-                sock.close()  # not one of this job's ranks
-                continue
-            socks[q][s] = sock
-            expected -= 1
+            mine[q] = _connect(rank, q, everyone[q][0], info, machine, same_machine, streams,
+                               key, deadline, timeout, where)
+        if not acceptor.wait(deadline):
+            missing = acceptor.waiting_for()
+            offered = ", ".join(f"{a.addr}:{info['port']}" for a in info["addrs"]) or "this host"
+            raise SetupError(
+                f"{where(rank)} heard nothing within {timeout:g} s "
+                f"(HOROLITE_TCP_TIMEOUT_SECONDS) from {', '.join(where(q) for q in missing)}, "
+                f"which should have connected to {offered}")
     except SetupError as e:
         problem = str(e)
     except OSError as e:
         problem = f"{where(rank)}: {e.strerror or e}"
     finally:
-        listener.close()
+        acceptor.close()
+    socks = {**acceptor.taken(), **mine}
     problems = [p for p in comm.allgather(problem) if p]
     if problems:
         for pair in socks.values():
@@ -277,25 +241,58 @@ def open_mesh(comm: MPI.Comm, wanted: Sequence[int], hostnames: Sequence[str], w
                 if sock is not None:
                     sock.close()
         raise SetupError("horolite's TCP connections between hosts: " + "; ".join(problems))
+    mesh = TcpMesh(rank, where)
     for q, pair in socks.items():
         for sock in pair:
             sock.settimeout(None)
             _tune(sock)
         mesh.peers[q] = Peer(rank, q, where(q), pair, mesh.changed, mesh._lost)
-    _log.debug("rank %d: TCP connections to %s, %d stream(s) each, listening on port %d",
-               rank, ", ".join(where(q) for q in sorted(mesh.peers)) or "nobody", streams,
-               info["port"])
+        _log.debug("rank %d: connected to %s at %s, %d stream(s)", rank, where(q),
+                   pair[0].getpeername()[0], streams)
+    if acceptor.dropped:
+        _log.debug("rank %d: set-up dropped %d connection(s) that were not this job's ranks",
+                   rank, acceptor.dropped)
     return mesh
 
 
-def _recv_hello(sock: socket.socket):
-    data = b""
-    while len(data) < _HELLO.size:
-        chunk = sock.recv(_HELLO.size - len(data))
-        if not chunk:
-            return (0, -1, 0, 0)
-        data += chunk
-    return _HELLO.unpack(data)
+def _connect(rank, q, theirs, info, machine, same_machine, streams, key, deadline, timeout,
+             where) -> List[socket.socket]:
+    """`streams` connections to rank q, trying its addresses in order until one answers
+    the hello as q; SetupError naming every address tried."""
+    if same_machine and theirs["machine"] == machine:
+        candidates = [LOOPBACK]
+    else:
+        candidates = tcp_address.order_for(info["addrs"], theirs["addrs"], theirs["named"])
+    port, tried = theirs["port"], []
+    for i, addr in enumerate(candidates):
+        socks: List[socket.socket] = []
+        try:
+            for s in range(streams):
+                left = deadline - time.monotonic()
+                # A wrong address usually refuses at once; one that drops the connect gets
+                # a share of what is left, so the ones after it are still tried.
+                budget = max(0.1, left / (len(candidates) - i) if s == 0 else left)
+                socks.append(tcp_hello.connect(addr, port, rank, q, s, key, budget))
+            if len(candidates) > 1:  # (a choice was made: say which, once per neighbour)
+                _log.info("rank %d: connected to %s at %s (its addresses, in the order tried: "
+                          "%s)", rank, where(q), addr, ", ".join(candidates[:i + 1]))
+            return socks
+        except (OSError, tcp_hello.HelloRefused) as e:
+            for sock in socks:
+                sock.close()
+            if isinstance(e, socket.timeout):
+                why = (f"no answer within {budget:g} s (HOROLITE_TCP_TIMEOUT_SECONDS={timeout:g}):"
+                       " a firewall dropping it, or no route?")
+            else:
+                why = getattr(e, "strerror", None) or str(e)
+            tried.append(f"{addr}:{port}: {why}")
+    if not candidates:
+        raise SetupError(f"{where(rank)} could not connect to {where(q)}: it offers no "
+                         "address (HOROLITE_TCP_IFACE)")
+    if len(tried) == 1:
+        raise SetupError(f"{where(rank)} could not connect to {where(q)} at {tried[0]}")
+    raise SetupError(f"{where(rank)} could not connect to {where(q)} at any of its "
+                     f"addresses: {'; '.join(tried)}")
 
 
 def _neighbours(ranks: Sequence[int], rank: int) -> set:

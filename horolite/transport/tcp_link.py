@@ -39,6 +39,14 @@ _log = logging.getLogger("horolite.transport.tcp_link")
 
 # link id, tag, sequence number, payload length
 HEADER = struct.Struct("<HiIQ")
+# Sequence numbers count per (link, tag) modulo 2**32, on both sides alike: a run of any
+# length never outgrows the field, and fewer than 2**32 messages of one key are ever in
+# flight at once.
+SEQ_MASK = 0xFFFFFFFF
+# No message is this long: a header that says so is garbage (a stream out of step), not
+# a reason to allocate it.
+MAX_MESSAGE = 1 << 40
+LINK_IDS = range(0, 256)
 BYE = -2  # the tag of the goodbye sent on every stream by a rank that closes in order
 # While a wait lasts, the collective watch is called this often (it hears other ranks'
 # failure notices, keeps the heartbeat going, reports stalls): the only timed wake-up.
@@ -65,7 +73,7 @@ class _Unexpected:
     __slots__ = ("data", "complete", "waiting")
 
     def __init__(self, length: int):
-        self.data = bytearray(length)
+        self.data = np.empty(length, np.uint8)  # (not zero-filled: recv_into fills it)
         self.complete = False
         self.waiting: Optional[Request] = None
 
@@ -99,24 +107,26 @@ class Peer:
 
     # ---- caller side ----
     def isend(self, link_id: int, tag: int, buf: np.ndarray) -> Request:
+        _check_contiguous(buf)
         req = Request(buf, self.job_rank)
         with self._lock:
             key = (link_id, tag)
             seq = self._send_seq.get(key, 0)
-            self._send_seq[key] = seq + 1
+            self._send_seq[key] = (seq + 1) & SEQ_MASK
             if self.error is not None:
-                req.error = self.error
+                req.error, req.done = self.error, True
                 return req
         self._queues[next(self._next_stream)].put(
             (HEADER.pack(link_id, tag, seq, buf.nbytes), req))
         return req
 
     def irecv(self, link_id: int, tag: int, buf: np.ndarray) -> Request:
+        _check_contiguous(buf)
         req = Request(buf, self.job_rank)
         with self._lock:
             key = (link_id, tag)
             seq = self._recv_seq.get(key, 0)
-            self._recv_seq[key] = seq + 1
+            self._recv_seq[key] = (seq + 1) & SEQ_MASK
             full = (link_id, tag, seq)
             early = self._unexpected.get(full)
             if early is not None:
@@ -125,7 +135,7 @@ class Peer:
                     return req
                 del self._unexpected[full]
             elif self.error is not None:
-                req.error = self.error
+                req.error, req.done = self.error, True
                 return req
             else:
                 self._posted[full] = req
@@ -135,6 +145,12 @@ class Peer:
 
     # ---- the I/O threads ----
     def _sender(self, i: int) -> None:
+        try:
+            self._send_loop(i)
+        except BaseException as e:  # never die in silence: the peer's requests fail instead
+            self._lost(f"its sending thread failed: {e!r}")
+
+    def _send_loop(self, i: int) -> None:
         sock, inbox = self._socks[i], self._queues[i]
         while True:
             item = inbox.get()  # blocks in the kernel (a lock's futex) until there is work
@@ -148,8 +164,12 @@ class Peer:
                 _send_all(sock, header, req.buf)
             except OSError as e:
                 self._lost(f"sending to it failed ({e.strerror or e})")
-                self._finish(req, self.error)
+                self._finish(req, self.error or self._closed())
                 continue
+            except BaseException as e:
+                self._lost(f"its sending thread failed: {e!r}")
+                self._finish(req, self.error or self._closed())
+                return
             self._finish(req, None)
 
     def _receiver(self, i: int) -> None:
@@ -168,10 +188,15 @@ class Peer:
                 if tag == BYE:
                     said_bye = True
                     continue
+                if link_id not in LINK_IDS or length > MAX_MESSAGE:
+                    self._lost(f"it sent a garbled header (link {link_id}, {length} bytes)")
+                    return
                 self._receive(sock, (link_id, tag, seq), length)
         except OSError as e:
             if not self.closing:
                 self._lost(f"its connection failed ({e.strerror or e})")
+        except BaseException as e:  # never die in silence: the peer's requests fail instead
+            self._lost(f"its receiving thread failed: {e!r}")
 
     def _receive(self, sock: socket.socket, key, length: int) -> None:
         with self._lock:
@@ -192,7 +217,7 @@ class Peer:
                     raise ConnectionResetError("the connection closed inside a message")
             except OSError:
                 self._lost("its connection closed inside a message")
-                self._finish(req, self.error)
+                self._finish(req, self.error or self._closed())
                 raise
             self._finish(req, None)
             return
@@ -221,6 +246,11 @@ class Peer:
             req.error = error
             req.done = True
             self._changed.notify_all()
+
+    def _closed(self) -> LinkLost:
+        """The error of a request cut short by this rank's own close."""
+        return self.error or LinkLost(f"the connection to {self.where} was closed by this "
+                                      "rank while a message was under way", [self.job_rank])
 
     def _lost(self, why: str) -> None:
         with self._lock:
@@ -261,6 +291,13 @@ class Peer:
             except OSError:
                 pass
             sock.close()
+
+
+def _check_contiguous(buf) -> None:
+    """On the caller's thread: an I/O thread cannot send or fill a strided view."""
+    if not memoryview(buf).c_contiguous:
+        raise ValueError("horolite's TCP connections send and receive contiguous buffers "
+                         "only (got a strided view)")
 
 
 def _send_all(sock: socket.socket, header: bytes, buf) -> None:

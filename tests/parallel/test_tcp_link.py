@@ -294,7 +294,7 @@ def test_an_address_that_refuses(monkeypatch):
     """Rank 0 is told a wrong address for its right neighbour: every rank fails, naming
     both ranks' hosts and the address tried (the others: who never connected)."""
     if RANK == 0:
-        monkeypatch.setattr(tcp, "_pick", lambda mine, theirs: "127.0.0.3")
+        monkeypatch.setattr(tcp.tcp_address, "order_for", lambda *a: ["127.0.0.3"])
     with pytest.raises(tcp.SetupError, match=re.escape(f"{where(0)} could not connect to "
                                                        f"{where(1)} at 127.0.0.3:")):
         open_mesh(iface="lo", timeout=2.0)

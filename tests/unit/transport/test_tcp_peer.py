@@ -1,0 +1,143 @@
+"""Messages between two Peers over socketpairs (tcp_link.py), with no MPI: runs of any
+length (sequence numbers past 2**32), a garbled stream, an I/O thread that fails, and
+requests after a loss. Each failure must reach the requests as LinkLost naming the peer,
+never leave a thread dead in silence and a wait without end."""
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from horolite.failure.links import LinkLost
+from horolite.transport import tcp_link
+from horolite.transport.tcp_link import HEADER, Peer
+
+
+class Pair:
+    """Peer 0 and peer 1, `streams` socketpairs between them."""
+
+    def __init__(self, streams=2):
+        pairs = [socket.socketpair() for _ in range(streams)]
+        self.changed = threading.Condition()
+        self.lost = []
+        self.raw = pairs
+        self.a = Peer(0, 1, "rank 1 (host b)", [p[0] for p in pairs], self.changed, self.lost.append)
+        self.b = Peer(1, 0, "rank 0 (host a)", [p[1] for p in pairs], self.changed, self.lost.append)
+
+    def wait(self, req, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not req.done and time.monotonic() < deadline:
+                self.changed.wait(0.05)
+        assert req.done, "the request never completed"
+        if req.error is not None:
+            raise req.error
+
+    def close(self):
+        self.a.close(0.5)
+        self.b.close(0.5)
+
+
+@pytest.fixture
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("receives_first", [True, False])
+def test_sequence_numbers_wrap_past_2_to_the_32(pair, receives_first):
+    """Counters set just below the field's limit: four messages each way cross it, in
+    order and intact (before the fix, the third raised struct.error in the caller)."""
+    for peer in (pair.a, pair.b):
+        peer._send_seq[(1, -1)] = 2 ** 32 - 2
+        peer._recv_seq[(1, -1)] = 2 ** 32 - 2
+    bufs = [np.empty(3, np.int64) for _ in range(4)]
+    if receives_first:
+        recvs = [pair.b.irecv(1, -1, buf) for buf in bufs]
+    sends = [pair.a.isend(1, -1, np.full(3, i, np.int64)) for i in range(4)]
+    for req in sends:
+        pair.wait(req)
+    if not receives_first:
+        time.sleep(0.1)  # every message arrives before its receive (the early path)
+        recvs = [pair.b.irecv(1, -1, buf) for buf in bufs]
+    for req in recvs:
+        pair.wait(req)
+    assert [int(buf[0]) for buf in bufs] == [0, 1, 2, 3]
+    assert pair.a._send_seq[(1, -1)] == 2
+
+
+def test_messages_keep_their_order_when_a_later_stream_overtakes(pair):
+    """Peer 1's second message arrives on stream 1 before its first on stream 0 (written
+    by hand): receives match by sequence number, not arrival."""
+    s0, s1 = pair.raw[0][0], pair.raw[1][0]
+    first, second = np.full(2, 7, np.int32), np.full(2, 9, np.int32)
+    s1.sendall(HEADER.pack(3, 5, 1, second.nbytes) + second.tobytes())
+    time.sleep(0.1)
+    s0.sendall(HEADER.pack(3, 5, 0, first.nbytes) + first.tobytes())
+    got = [np.empty(2, np.int32), np.empty(2, np.int32)]
+    for buf in got:
+        pair.wait(pair.b.irecv(3, 5, buf))
+    assert [int(g[0]) for g in got] == [7, 9]
+
+
+@pytest.mark.parametrize("header", [HEADER.pack(1, -1, 0, 2 ** 63),
+                                    HEADER.pack(60000, -1, 0, 8)], ids=["length", "link"])
+def test_a_garbled_header_fails_the_peers_requests(pair, header):
+    req = pair.b.irecv(1, -1, np.empty(4, np.float32))
+    pair.raw[0][0].sendall(header)
+    with pytest.raises(LinkLost, match=r"rank 0 \(host a\).*garbled header"):
+        pair.wait(req, timeout=5)
+    assert pair.lost and pair.lost[0].ranks == [0]
+
+
+def test_a_receiving_thread_that_fails_of_anything_fails_the_requests(pair, monkeypatch):
+    """An early message whose buffer cannot be had (MemoryError is not an OSError): the
+    thread's end fails the peer's requests with LinkLost, at once."""
+    def no_memory(self, length):
+        raise MemoryError(f"{length} bytes")
+    monkeypatch.setattr(tcp_link._Unexpected, "__init__", no_memory)
+    pair.a.isend(1, 4, np.zeros(8, np.float64))  # arrives before any receive: the early path
+    time.sleep(0.2)
+    req = pair.b.irecv(1, 5, np.empty(1, np.float64))
+    with pytest.raises(LinkLost, match=r"receiving thread failed: MemoryError"):
+        pair.wait(req, timeout=5)
+
+
+def test_a_sending_thread_that_fails_of_anything_fails_the_requests(pair, monkeypatch):
+    def broken(sock, header, buf):
+        raise OverflowError("a frame too long")
+    monkeypatch.setattr(tcp_link, "_send_all", broken)
+    req = pair.a.isend(1, -1, np.zeros(4, np.int8))
+    with pytest.raises(LinkLost, match=r"sending thread failed: OverflowError"):
+        pair.wait(req, timeout=5)
+    later = pair.a.irecv(1, -1, np.zeros(4, np.int8))
+    assert later.done  # a request after the loss is done (failed) at once, not left pending
+    with pytest.raises(LinkLost):
+        later.Test()
+
+
+def test_a_strided_buffer_is_refused_on_the_callers_thread(pair):
+    with pytest.raises(ValueError, match="contiguous"):
+        pair.a.isend(1, -1, np.zeros((4, 4), np.float32)[:, 1])
+    with pytest.raises(ValueError, match="contiguous"):
+        pair.b.irecv(1, -1, np.zeros((4, 4), np.float32)[:, 1])
+    # and the peer still works
+    buf = np.empty(3, np.float32)
+    recv = pair.b.irecv(1, -1, buf)
+    pair.wait(pair.a.isend(1, -1, np.arange(3, dtype=np.float32)))
+    pair.wait(recv)
+    assert buf.tolist() == [0, 1, 2]
+
+
+def test_a_reset_connection_names_the_peer(pair):
+    req = pair.a.irecv(1, -1, np.empty(4, np.float32))
+    for sock in (p[1] for p in pair.raw):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    pair.b.closing = True
+    for sock in (p[1] for p in pair.raw):
+        sock.shutdown(socket.SHUT_RDWR)
+    with pytest.raises(LinkLost, match=r"rank 1 \(host b\)"):
+        pair.wait(req, timeout=5)
