@@ -252,7 +252,10 @@ class Supervisor(JobOutcome):
         except ValueError:
             return False
         if kind == "stopped":
-            self.stopped_by.setdefault(rank, int(fields.get("by", -1)))
+            # Not once the launcher has signalled mpirun: a rank that heard of a failure
+            # then may have heard of another rank's SIGTERM, which is only a consequence.
+            if not self._stopping:
+                self.stopped_by.setdefault(rank, int(fields.get("by", -1)))
             return False
         # Only the first account of a job still running normally: once a rank has failed
         # or the launcher stops the job, a rank reporting its SIGTERM is a consequence.

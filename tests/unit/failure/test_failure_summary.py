@@ -150,3 +150,26 @@ def test_a_rank_that_never_reported_is_the_origin_when_nobody_failed_by_itself()
     result = sup._result(1)
     assert result.message == ("job failed: rank 1 ended while other ranks still ran "
                               "collectives; ranks stopped as a result: 0"), result.message
+
+
+def test_a_rank_stopped_by_the_launchers_sigterm_is_not_the_cause():
+    """Rank 1 exits with code 3; the others sleep, and its wrapper holds its end (rankwrap
+    --hold), so horolite-run itself sends SIGTERM. Rank 0 then announces its SIGTERM and
+    rank 2 reports being stopped by rank 0: a consequence of the launcher's signal."""
+    sup = supervisor(3)
+    feed(sup, ["##horolite-run## start rank=1 host=h pid=5 pgid=6",
+               "##horolite-run## exit rank=1 host=h code=3 signal=0 stopped=0 ended=100.0"],
+         exits_as_the_main_loop=True)
+    sup._stopping = True  # (as _send sets it)
+    feed(sup, ["[0]<stderr>:##horolite-run## cause rank=0 code=143 text=rank 1 (host h) "
+               "stopped answering (its process 6 is gone); then rank 0 (host h) was killed by "
+               "signal 15 (SIGTERM)",
+               "[2]<stderr>:##horolite-run## stopped rank=2 by=0 text=rank 1 (host h) stopped "
+               "answering (its process 6 is gone); then rank 0 (host h) was killed by signal 15",
+               "##horolite-run## exit rank=0 host=h code=143 signal=15 stopped=1 ended=102.0",
+               "##horolite-run## exit rank=2 host=h code=1 signal=0 stopped=1 ended=102.0"],
+         exits_as_the_main_loop=True)
+    result = sup._result(1)
+    assert result.exit_code == 3, result.message
+    assert result.message == ("job failed: rank 1 (host h, pid 6) exited with code 3; "
+                              "ranks stopped as a result: 0, 2")
