@@ -281,8 +281,9 @@ def _connect(rank, q, theirs, info, machine, same_machine, streams, key, deadlin
             for sock in socks:
                 sock.close()
             if isinstance(e, socket.timeout):
-                why = (f"no answer within {budget:g} s (HOROLITE_TCP_TIMEOUT_SECONDS={timeout:g}):"
-                       " a firewall dropping it, or no route?")
+                within = (f"{timeout:g} s (HOROLITE_TCP_TIMEOUT_SECONDS)" if len(candidates) == 1
+                          else f"{budget:.1f} s (of HOROLITE_TCP_TIMEOUT_SECONDS={timeout:g})")
+                why = f"no answer within {within}: a firewall dropping it, or no route?"
             else:
                 why = getattr(e, "strerror", None) or str(e)
             tried.append(f"{addr}:{port}: {why}")

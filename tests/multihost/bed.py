@@ -254,6 +254,25 @@ class Bed:
         i = self.hosts.index(host if isinstance(host, Host) else self.host(host))
         self._in_switch(["ip", "link", "set", f"p{i}", "up" if up else "down"])
 
+    def add_network(self, name: str) -> str:
+        """A second switch (a bridge beside the first), for hosts with two networks; its
+        name, for plug()."""
+        bridge = f"{self.bridge[:11]}{name}"[:15]
+        self._in_switch(["ip", "link", "add", bridge, "type", "bridge"])
+        self._in_switch(["ip", "link", "set", bridge, "up"])
+        return bridge
+
+    def plug(self, host, iface: str, network: str, address: str) -> None:
+        """A second cable: `iface` on `host`, in the switch `network`, with `address`
+        (CIDR)."""
+        host = host if isinstance(host, Host) else self.host(host)
+        port = f"q{self.hosts.index(host)}{network[-3:]}"[:15]
+        self._in_switch(["ip", "link", "add", port, "type", "veth", "peer", "name", iface,
+                         "netns", str(host.init_pid)])
+        self._in_switch(["ip", "link", "set", port, "master", network, "up"])
+        self.on(host, ["ip", "addr", "add", address, "dev", iface])
+        self.on(host, ["ip", "link", "set", iface, "up"])
+
     def shape(self, rate: str = "1gbit") -> None:
         """Cap every host's outgoing link with a token bucket (both directions of each cable)."""
         for i, host in enumerate(self.hosts):
