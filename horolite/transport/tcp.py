@@ -273,9 +273,9 @@ def _connect(rank, q, theirs, info, machine, same_machine, streams, key, deadlin
                 # a share of what is left, so the ones after it are still tried.
                 budget = max(0.1, left / (len(candidates) - i) if s == 0 else left)
                 socks.append(tcp_hello.connect(addr, port, rank, q, s, key, budget))
-            if len(candidates) > 1:  # (a choice was made: say which, once per neighbour)
-                _log.info("rank %d: connected to %s at %s (its addresses, in the order tried: "
-                          "%s)", rank, where(q), addr, ", ".join(candidates[:i + 1]))
+            _log.info("rank %d: connected to %s at %s (%s)", rank, where(q), addr,
+                      f"tried {', '.join(candidates[:i + 1])} of {', '.join(candidates)}"
+                      if len(candidates) > 1 else "its only address")
             return socks
         except (OSError, tcp_hello.HelloRefused) as e:
             for sock in socks:
