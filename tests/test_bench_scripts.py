@@ -235,3 +235,25 @@ def test_overlap_step(tmp_path):
                 "fit_plain_s", "tape_over_max", "bound_over_max"):
         assert key in row and row[key] > 0, key
     assert (tmp_path / "overlap_step.md").exists()
+
+
+def test_bucket_trace(tmp_path):
+    # 20 variables, 3 later steps: every way (buckets, one request, plain) for fit and tape.
+    pytest.importorskip("tensorflow")
+    doc = run_bench("bucket_trace", tmp_path)
+    assert doc["variables"] == 20 and doc["requests_per_step_with_buckets"] >= 1
+    for how in ("fit", "tape"):
+        for way in ("buckets", "one", "plain"):
+            timed = doc["results"][f"{how}_{way}"]
+            assert timed["first_s"] > 0 and timed["later_s"] > 0, (how, way)
+        assert set(doc["results"][f"{how}_ratios"]) == {
+            "first_buckets_over_one", "first_either_over_plain", "later_buckets_over_one"}
+    assert len(doc["targets"]) == 6
+
+
+def test_control_plane(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOROLITE_TEST_HOST_IDENTITY", "1+1")  # (every rank a host's leader)
+    doc = run_bench("control_plane", tmp_path)
+    for key in ("or_tree_s", "or_ring_s", "negotiate_tree_s", "negotiate_ring_s",
+                "allreduce_4KiB_tree_s"):
+        assert doc["results"][key] > 0, key

@@ -195,9 +195,11 @@ SETTINGS: Tuple[Setting, ...] = (
             "one host always uses shared memory (see Many hosts)",
             "cross_host_transport", "--cross-host-transport"),
     Setting("TCP_IFACE", str, "",
-            "the network interface horolite's TCP connections listen and connect on (e.g. "
-            "`eth0`); unset: a peer's address on a network this host is on "
-            "(`horolite-run --network-interface` sets it)",
+            "the network interfaces horolite's TCP connections listen and connect on, as "
+            "`NCCL_SOCKET_IFNAME` names them (`eth,ib` prefixes, `=eth0` exact names, "
+            "`^docker,lo` exclusions); unset: every address but loopback, bridges and "
+            "interfaces without carrier, a peer's host name's first (`horolite-run "
+            "--network-interface` sets it)",
             "tcp_iface"),
     Setting("TCP_STREAMS", int, 2,
             "TCP connections to each ring neighbour; pieces take turns on them (two measured "

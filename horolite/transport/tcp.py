@@ -37,7 +37,7 @@ from mpi4py import MPI
 from ..failure.links import LinkLost
 from .ring import Ring
 from . import tcp_address, tcp_hello
-from .tcp_control import RING_MAX, ControlWaiter, TcpControl
+from .tcp_control import ControlWaiter, TcpControl, partners
 from .tcp_link import Peer, TcpLink
 
 __all__ = ["choose", "TcpMesh", "open_mesh", "attach", "interface_address", "SetupError"]
@@ -213,6 +213,7 @@ def open_mesh(comm: MPI.Comm, wanted: Sequence[int], hostnames: Sequence[str], w
             listener.close()
         raise SetupError("horolite's TCP connections between hosts: " + "; ".join(problems))
     deadline = time.monotonic() + timeout
+    streams += 1  # (and the express connection: tcp_link.EXPRESS_BYTES)
     acceptor = tcp_hello.Acceptor(listeners, rank, {q: streams for q in wanted if q < rank}, key)
     mine: Dict[int, List[socket.socket]] = {}
     problem = None
@@ -246,9 +247,9 @@ def open_mesh(comm: MPI.Comm, wanted: Sequence[int], hostnames: Sequence[str], w
         for sock in pair:
             sock.settimeout(None)
             _tune(sock)
-        mesh.peers[q] = Peer(rank, q, where(q), pair, mesh.changed, mesh._lost)
+        mesh.peers[q] = Peer(rank, q, where(q), pair, mesh.changed, mesh._lost, express=True)
         _log.debug("rank %d: connected to %s at %s, %d stream(s)", rank, where(q),
-                   pair[0].getpeername()[0], streams)
+                   pair[0].getpeername()[0], streams - 1)
     if acceptor.dropped:
         _log.debug("rank %d: set-up dropped %d connection(s) that were not this job's ranks",
                    rank, acceptor.dropped)
@@ -319,17 +320,19 @@ def attach(transport, comm: MPI.Comm, hostnames: Sequence[str], where, cfg) -> T
     host_control = transport.host_control
     talkers = ([h[0] for h in host_control.hosts] if host_control is not None
                else list(range(size)))
-    if len(talkers) <= RING_MAX:
-        def install_control(link):
-            control = TcpControl(link)
-            if host_control is not None:
-                host_control.tcp = control  # (installed on the leaders alone)
-            else:
-                transport.control_tcp = control
-        rings.append((4, talkers, install_control))
+
+    def install_control(link):
+        control = TcpControl(link)
+        if host_control is not None:
+            host_control.tcp = control  # (installed on the leaders alone)
+        else:
+            transport.control_tcp = control
+    rings.append((4, talkers, install_control))
     wanted = set()
-    for _, ranks, _ in rings:
-        wanted |= _neighbours(ranks, rank)
+    for link_id, ranks, _ in rings:
+        wanted |= (_neighbours(ranks, rank) if link_id != 4 else
+                   {ranks[q] for q in partners(ranks.index(rank), len(ranks))}
+                   if rank in ranks else set())
     mesh = open_mesh(comm, sorted(wanted), hostnames, where, cfg.tcp_iface, cfg.tcp_port_range,
                      max(1, cfg.tcp_streams), cfg.tcp_timeout_seconds)
     links = {}

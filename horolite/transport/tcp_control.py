@@ -4,27 +4,56 @@ Every cycle the ranks OR a small control vector, and rank 0 gathers requests and
 broadcasts its answer (negotiation). Over MPI each of those waits polls, and an idle
 rank's wait lasts until its peers' next cycle: across hosts that polling took as much
 CPU as the data plane once its pieces moved to TCP. Here the same three exchanges go
-around a ring of TCP messages (tcp_link.py), whose waits sleep on a condition until a
-message completes. The ring is the ranks that talk across hosts: every rank, or each
-host's leader where a host's ranks meet on a control board first (host_control.py).
-A ring costs one hop per participant where MPI's trees cost log2 of them, so it
-serves up to RING_MAX participants; beyond that MPI keeps the control exchange.
+over TCP messages (tcp_link.py, on each peer's express connection), whose waits sleep
+on a condition until a message completes, among the ranks that talk across hosts:
+every rank, or each host's leader where a host's ranks meet on a control board first
+(host_control.py).
+
+They take log2(n) steps, as MPI's do, at any size: the OR by recursive doubling (the
+ranks above the largest power of two fold into a partner first and hear the result
+from it last), the gather and the broadcast along a binomial tree rooted at the first
+participant. Each participant is connected to those 2**k away (partners()), about
+2 log2(n) connections. The ring of n - 1 hops per exchange stays as a shape to measure
+against (bench/control_plane.py).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Set
 
 import numpy as np
 
 from .tcp_link import TcpLink
 
-__all__ = ["TcpControl", "RING_MAX"]
+__all__ = ["TcpControl", "partners"]
 
-# The most participants (hosts' leaders, or ranks) whose control exchange goes round
-# the TCP ring: (n - 1) hops of ~50 us each per round, against MPI's log2(n) polled ones.
-RING_MAX = 16
 _OR, _GATHER, _BCAST = 0, 1, 2
+# The runtime's shape ("tree"; "ring" only to measure against: bench/control_plane.py).
+SHAPE = "tree"
 _INT = np.dtype("<i8")
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def partners(index: int, n: int, shape: str = "") -> Set[int]:
+    """The participants that `index` (of `n`) exchanges control messages with."""
+    shape = shape or SHAPE
+    if n < 2:
+        return set()
+    if shape == "ring":
+        return {(index + 1) % n, (index - 1) % n} - {index}
+    found, k = set(), 1
+    while k < n:  # the binomial trees' and recursive doubling's partners: index +- 2**j
+        for q in (index + k, index - k):
+            if 0 <= q < n:
+                found.add(q)
+        k <<= 1
+    p = _floor_pow2(n)
+    for q in (index + p, index - p):  # the fold of the ranks above p
+        if 0 <= q < n:
+            found.add(q)
+    return found
 
 
 class ControlWaiter:
@@ -40,14 +69,36 @@ class ControlWaiter:
 
 
 class TcpControl:
-    """OR, gather at the ring's first rank, and broadcast from it, over `link`'s ranks."""
+    """OR, gather at the first participant, and broadcast from it, over `link`'s ranks."""
 
-    def __init__(self, link: TcpLink):
+    def __init__(self, link: TcpLink, shape: str = ""):
         self.link = link
+        self.shape = shape or SHAPE
 
     def or_in_place(self, out: np.ndarray) -> None:
-        """out = the bitwise OR of every participant's `out` (a ring allgather, OR-ed
-        as the pieces pass)."""
+        """out = the bitwise OR of every participant's `out`."""
+        if self.shape == "ring":
+            return self._ring_or(out)
+        link, me, n = self.link, self.link.rank, self.link.size
+        p = _floor_pow2(n)
+        got = np.empty_like(out)
+        if me >= p:  # fold in, then hear the result
+            link.wait(link.isend(out, me - p, _OR))
+            link.wait(link.irecv(out, me - p, _OR))
+            return
+        if me + p < n:
+            link.wait(link.irecv(got, me + p, _OR))
+            np.bitwise_or(out, got, out=out)
+        k = 1
+        while k < p:
+            partner = me ^ k
+            link.wait_all([link.irecv(got, partner, _OR), link.isend(out.copy(), partner, _OR)])
+            np.bitwise_or(out, got, out=out)
+            k <<= 1
+        if me + p < n:
+            link.wait(link.isend(out, me + p, _OR))
+
+    def _ring_or(self, out: np.ndarray) -> None:
         link = self.link
         send = out.copy()
         for _ in range(link.size - 1):
@@ -57,25 +108,47 @@ class TcpControl:
             send = got
 
     def gather_bytes(self, data: bytes) -> Optional[List[bytes]]:
-        """Every participant's `data`, in ring order, at the first (None elsewhere): each
-        passes what came from above it, with its own in front, one hop down."""
-        link = self.link
+        """Every participant's `data`, in order, at the first (None elsewhere)."""
+        link, me, n = self.link, self.link.rank, self.link.size
         parts = [data]
-        if link.rank < link.size - 1:
-            parts += _split(self._receive(_GATHER, link.right))
-        if link.rank == 0:
-            return parts
-        self._send(_join(parts), _GATHER, link.left)
-        return None
+        if self.shape == "ring":
+            if me < n - 1:
+                parts += _split(self._receive(_GATHER, link.right))
+            if me == 0:
+                return parts
+            self._send(_join(parts), _GATHER, link.left)
+            return None
+        k = 1
+        while k < n:  # a binomial tree: each node holds [me, me + k) in order, then 2k
+            if me & k:
+                self._send(_join(parts), _GATHER, me - k)
+                return None
+            if me + k < n:
+                parts += _split(self._receive(_GATHER, me + k))
+            k <<= 1
+        return parts
 
     def bcast_bytes(self, data) -> bytes:
-        """`data` from the first participant (ignored elsewhere), passed one hop up."""
-        link = self.link
-        if link.rank > 0:
-            data = self._receive(_BCAST, link.left)
-        if link.rank < link.size - 1:
-            self._send(bytes(data), _BCAST, link.right)
-        return bytes(data)
+        """`data` from the first participant (ignored elsewhere)."""
+        link, me, n = self.link, self.link.rank, self.link.size
+        if self.shape == "ring":
+            if me > 0:
+                data = self._receive(_BCAST, link.left)
+            if me < n - 1:
+                self._send(bytes(data), _BCAST, link.right)
+            return bytes(data)
+        k = _floor_pow2(n - 1) << 1 if n > 1 else 1
+        if me:  # hear it from the parent: me with its lowest set bit cleared
+            low = me & -me
+            data = self._receive(_BCAST, me - low)
+            k = low
+        data = bytes(data)
+        k >>= 1
+        while k:
+            if me + k < n:
+                self._send(data, _BCAST, me + k)
+            k >>= 1
+        return data
 
     def _send(self, blob: bytes, tag: int, dest: int) -> None:
         link = self.link

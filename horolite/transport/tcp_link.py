@@ -9,7 +9,9 @@ thread that waits for a request sleeps on a condition variable that a completion
 notifies, waking only for completions and every WATCH_EVERY seconds to call the
 collective watch (failure notices, heartbeats, stall reports).
 
-A message is a header (link id, tag, sequence number, length) and its bytes.
+A message is a header (link id, tag, sequence number, length) and its bytes. Small
+ones (the control exchange, a small allreduce) take an express connection of their own,
+so they never wait behind the data queued on the others.
 Receives are matched per (link, tag) in the order they were posted, as MPI matches
 them, through the sequence number: messages of one peer may travel on several
 streams (a link that one stream cannot fill) and arrive in any order. A message
@@ -47,6 +49,9 @@ SEQ_MASK = 0xFFFFFFFF
 # a reason to allocate it.
 MAX_MESSAGE = 1 << 40
 LINK_IDS = range(0, 256)
+# Messages up to this size (the control exchange's, a small allreduce's pieces) travel on
+# a peer's express connection, never queued behind a megabyte piece of a data stream.
+EXPRESS_BYTES = 16 << 10
 BYE = -2  # the tag of the goodbye sent on every stream by a rank that closes in order
 # While a wait lasts, the collective watch is called this often (it hears other ranks'
 # failure notices, keeps the heartbeat going, reports stalls): the only timed wake-up.
@@ -82,8 +87,10 @@ class Peer:
     """The streams to one peer rank: a sender and a receiver thread each."""
 
     def __init__(self, me: int, job_rank: int, where: str, socks: Sequence[socket.socket],
-                 changed: threading.Condition, on_lost: Callable[[LinkLost], None]):
-        """me: this rank; job_rank: the peer's; where: 'rank 1 (host node2)'."""
+                 changed: threading.Condition, on_lost: Callable[[LinkLost], None],
+                 express: bool = False):
+        """me: this rank; job_rank: the peer's; where: 'rank 1 (host node2)'; express: the
+        last of `socks` carries small messages alone (EXPRESS_BYTES), the rest data."""
         self.me, self.job_rank, self.where = me, job_rank, where
         self._socks = list(socks)
         self._changed = changed  # notified on every completion (the mesh's one condition)
@@ -94,7 +101,9 @@ class Peer:
         self._send_seq: Dict[Tuple[int, int], int] = {}
         self._recv_seq: Dict[Tuple[int, int], int] = {}
         self._queues = [queue.SimpleQueue() for _ in self._socks]
-        self._next_stream = itertools.cycle(range(len(self._socks)))
+        data = len(self._socks) - 1 if express and len(self._socks) > 1 else len(self._socks)
+        self._express = data if data < len(self._socks) else None
+        self._next_stream = itertools.cycle(range(data))
         self.closing = False
         self.error: Optional[LinkLost] = None
         self.threads: List[threading.Thread] = []
@@ -116,8 +125,9 @@ class Peer:
             if self.error is not None:
                 req.error, req.done = self.error, True
                 return req
-        self._queues[next(self._next_stream)].put(
-            (HEADER.pack(link_id, tag, seq, buf.nbytes), req))
+        stream = (self._express if self._express is not None and buf.nbytes <= EXPRESS_BYTES
+                  else next(self._next_stream))
+        self._queues[stream].put((HEADER.pack(link_id, tag, seq, buf.nbytes), req))
         return req
 
     def irecv(self, link_id: int, tag: int, buf: np.ndarray) -> Request:
@@ -320,7 +330,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
     """Fill `view`; False if the connection ended before its first byte (an orderly end)."""
     got, total = 0, view.nbytes
     while got < total:
-        n = sock.recv_into(view[got:], total - got)
+        n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)  # (one wake-up a piece)
         if n == 0:
             if got == 0:
                 return False
@@ -369,6 +379,7 @@ class TcpLink:
         """Sleep until one of `reqs` completes; its index (raises its error if it failed)."""
         changed = self.mesh.changed
         start = time.monotonic()
+        next_watch = start + WATCH_EVERY
         with changed:
             while True:
                 for i, req in enumerate(reqs):
@@ -378,12 +389,16 @@ class TcpLink:
                     i = -1
                 if i >= 0:
                     break
-                if not changed.wait(WATCH_EVERY):
+                now = time.monotonic()
+                if now >= next_watch:  # every WATCH_EVERY, however busy the other links are
+                    next_watch = now + WATCH_EVERY
                     changed.release()  # (the watch may take long: no I/O thread waits on us)
                     try:
-                        self._watch(time.monotonic() - start, reqs[0].peer)
+                        self._watch(now - start, reqs[0].peer)
                     finally:
                         changed.acquire()
+                    continue
+                changed.wait(next_watch - now)
                 self.wakeups += 1
         if reqs[i].error is not None:
             raise reqs[i].error

@@ -23,7 +23,7 @@ from horolite.failure.links import LinkLost
 from horolite.transport import ring as ring_module
 from horolite.transport import tcp
 from horolite.transport.ring import Ring, even_bounds
-from horolite.transport.tcp_control import TcpControl
+from horolite.transport.tcp_control import TcpControl, partners
 from horolite.transport.tcp_link import TcpLink
 from pretend_hosts import layout
 
@@ -122,8 +122,9 @@ def test_allgather_uneven(ring, lengths):
 
 @pytest.fixture
 def mesh2():
-    """Two streams to each neighbour."""
-    mesh = open_mesh(streams=2)
+    """Two streams to each neighbour, and to each control partner (2**k away)."""
+    wanted = sorted(set(neighbours()) | partners(RANK, SIZE))
+    mesh = tcp.open_mesh(COMM, wanted, HOSTS, where, streams=2)
     yield mesh
     COMM.Barrier()
     mesh.close()
@@ -176,14 +177,16 @@ def _voluntary_switches():
         return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt"))
 
 
+@pytest.mark.parametrize("shape", ["tree", "ring"])
 @pytest.mark.parametrize("members", ["every rank", "first and last"])
-def test_the_control_exchange(mesh2, members):
-    """The control exchange over the ring (tcp_control.py): OR, gather at the first
-    participant and broadcast from it, against NumPy, with empty and uneven payloads;
-    among every rank, and among two of them (as hosts' leaders are)."""
+def test_the_control_exchange(mesh2, members, shape):
+    """The control exchange (tcp_control.py), in log2(n) steps and around the ring: OR,
+    gather at the first participant and broadcast from it, against NumPy, with empty and
+    uneven payloads; among every rank, and among two of them (as hosts' leaders are)."""
     ranks = list(range(SIZE)) if members == "every rank" else [0, SIZE - 1]
     link_id = 10 if members == "every rank" else 11
-    control = TcpControl(TcpLink(mesh2, link_id, ranks, Watch())) if RANK in ranks else None
+    control = (TcpControl(TcpLink(mesh2, link_id, ranks, Watch()), shape) if RANK in ranks
+               else None)
     COMM.Barrier()
     if control is not None:
         for round_ in range(3):

@@ -6,25 +6,28 @@ import socket
 import struct
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from horolite.failure.links import LinkLost
 from horolite.transport import tcp_link
-from horolite.transport.tcp_link import HEADER, Peer
+from horolite.transport.tcp_link import HEADER, Peer, TcpLink
 
 
 class Pair:
     """Peer 0 and peer 1, `streams` socketpairs between them."""
 
-    def __init__(self, streams=2):
+    def __init__(self, streams=2, express=False):
         pairs = [socket.socketpair() for _ in range(streams)]
         self.changed = threading.Condition()
         self.lost = []
         self.raw = pairs
-        self.a = Peer(0, 1, "rank 1 (host b)", [p[0] for p in pairs], self.changed, self.lost.append)
-        self.b = Peer(1, 0, "rank 0 (host a)", [p[1] for p in pairs], self.changed, self.lost.append)
+        self.a = Peer(0, 1, "rank 1 (host b)", [p[0] for p in pairs], self.changed,
+                      self.lost.append, express)
+        self.b = Peer(1, 0, "rank 0 (host a)", [p[1] for p in pairs], self.changed,
+                      self.lost.append, express)
 
     def wait(self, req, timeout=10.0):
         deadline = time.monotonic() + timeout
@@ -141,3 +144,78 @@ def test_a_reset_connection_names_the_peer(pair):
         sock.shutdown(socket.SHUT_RDWR)
     with pytest.raises(LinkLost, match=r"rank 1 \(host b\)"):
         pair.wait(req, timeout=5)
+
+
+def test_a_control_message_never_waits_behind_data(monkeypatch):
+    """One data stream and the express one: while the data stream's sender is stuck in a
+    1 MiB piece (held here), a control message and a small allreduce's piece still go,
+    and arrive; then the piece goes too, in its order."""
+    stuck, entered = threading.Event(), threading.Event()
+    real = tcp_link._send_all
+
+    def held(sock, header, buf):
+        if memoryview(buf).nbytes > tcp_link.EXPRESS_BYTES:
+            entered.set()
+            stuck.wait(10)
+        real(sock, header, buf)
+    monkeypatch.setattr(tcp_link, "_send_all", held)
+    pair = Pair(streams=2, express=True)
+    try:
+        big = np.arange(1 << 18, dtype=np.float32)
+        got_big = np.empty_like(big)
+        big_recv = pair.b.irecv(1, -1, got_big)
+        big_send = pair.a.isend(1, -1, big)
+        assert entered.wait(5)
+        control, small = np.array([5, 6], np.int64), np.full(1024, 3, np.float32)
+        got_control, got_small = np.empty_like(control), np.empty_like(small)
+        recvs = [pair.b.irecv(4, 0, got_control), pair.b.irecv(1, -1, got_small)]
+        pair.a.isend(4, 0, control)
+        pair.a.isend(1, -1, small)
+        for req in recvs:
+            pair.wait(req, timeout=5)  # before the fix: behind the held piece, never
+        assert got_control.tolist() == [5, 6] and got_small[0] == 3
+        assert not big_send.done
+        stuck.set()
+        pair.wait(big_send)
+        pair.wait(big_recv)
+        assert np.array_equal(got_big, big)
+    finally:
+        stuck.set()
+        pair.close()
+
+
+def test_a_wait_calls_the_watch_while_other_links_keep_completing():
+    """A wait on a silent link while another link of the same mesh completes a message
+    every 20 ms: the collective watch still runs about every WATCH_EVERY (before, only
+    after WATCH_EVERY without any completion, so never here)."""
+    pair = Pair(streams=1)
+    mesh = SimpleNamespace(job_rank=0, peers={1: pair.a}, changed=pair.changed, lost=None)
+    calls = []
+
+    class Watch:
+        def watch(self, waited, peer):
+            calls.append(waited)
+            if waited > 1.0:
+                raise TimeoutError("done waiting")
+    link = TcpLink(mesh, 9, [0, 1], Watch())
+    stop = threading.Event()
+
+    def chatter():
+        i = 0
+        while not stop.is_set():
+            buf = np.empty(1, np.int32)
+            recv = pair.a.irecv(3, 0, buf)
+            pair.b.isend(3, 0, np.array([i], np.int32))
+            pair.wait(recv)
+            i += 1
+            time.sleep(0.02)
+    t = threading.Thread(target=chatter)
+    t.start()
+    try:
+        with pytest.raises(TimeoutError):
+            link.wait(link.irecv(np.empty(1, np.int32), source=1, tag=1))
+    finally:
+        stop.set()
+        t.join()
+        pair.close()
+    assert len(calls) >= 8, calls
