@@ -41,8 +41,9 @@ REPLY = struct.Struct("<IIiii16s32s")
 MAC_BYTES = 32
 ACK = b"\x01"
 # How long one accepted connection may take to say its hello: a rank's arrives within
-# microseconds of its connect; a silent stranger holds only its own thread this long.
-HELLO_SECONDS = 5.0
+# microseconds of its connect (seconds on a machine loaded many times over); a silent
+# stranger holds only its own thread this long.
+HELLO_SECONDS = 10.0
 
 
 class HelloRefused(Exception):

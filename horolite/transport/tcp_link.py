@@ -271,11 +271,11 @@ class Peer:
                                                      if u.waiting is not None]
             self._posted.clear()
         _log.error("rank %d: %s", self.me, self.error)
+        self._on_lost(self.error)  # (first: whoever a failed request wakes finds the mesh's)
         for req in pending:
             self._finish(req, self.error)
         for q in self._queues:
             q.put(None)  # (senders end; what they still hold fails)
-        self._on_lost(self.error)
 
     def close(self, grace: float) -> None:
         """Goodbye on every stream, then wait up to `grace` s for the peer's, then close."""
