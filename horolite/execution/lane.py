@@ -13,6 +13,9 @@ the lane runs them one after another: every rank makes the same transport calls
 in the same order, as on the background thread. The lane uses only the data
 plane (the transport's data communicators and its own waiter), the background
 thread only the control plane, so they never share a communicator or a request.
+Over horolite's TCP connections they share each peer's sockets and the mesh's one
+condition: the control plane's messages take the express connection (tcp_link.py),
+so they do not queue behind the lane's pieces.
 Anything else (broadcasts, gathers, quorum allreduces, errors, joins) first waits
 for the lane to empty and then runs on the background thread, as before.
 
