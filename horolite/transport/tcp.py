@@ -22,12 +22,9 @@ in-host ring of the hierarchical allreduce) connect over loopback.
 """
 from __future__ import annotations
 
-import fcntl
-import ipaddress
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -40,7 +37,7 @@ from . import tcp_address, tcp_hello
 from .tcp_control import ControlWaiter, TcpControl, partners
 from .tcp_link import Peer, TcpLink
 
-__all__ = ["choose", "TcpMesh", "open_mesh", "attach", "interface_address", "SetupError"]
+__all__ = ["choose", "TcpMesh", "open_mesh", "attach", "SetupError"]
 
 _log = logging.getLogger("horolite.transport.tcp")
 
@@ -48,7 +45,6 @@ _log = logging.getLogger("horolite.transport.tcp")
 # to 32 MiB). Asked only where the kernel's maximum allows it: an explicit size below
 # that maximum would turn the kernel's own tuning (up to tcp_rmem's top) off.
 BUFFER_BYTES = 8 << 20
-_SIOCGIFADDR, _SIOCGIFNETMASK = 0x8915, 0x891B
 # A connection silent this long (keepalives unanswered, or data unacknowledged) is ended:
 # longer than a link outage a job survives (the multi-host tests take links down for 20
 # and 75 s; inside a collective the stall inspector speaks first, naming the silent ranks).
@@ -86,15 +82,6 @@ def choose(setting: str, comm: MPI.Comm, spans_hosts: bool) -> Tuple[bool, str]:
                        f"{', '.join(devices[with_rdma[0]])} in /sys/class/infiniband): MPI's "
                        "verbs beat sockets")
     return True, "no RDMA device on any host (/sys/class/infiniband is empty): a TCP network"
-
-
-def interface_address(name: str) -> Tuple[str, int]:
-    """(IPv4 address, prefix length) of interface `name`; OSError if it has none."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        packed = struct.pack("256s", name.encode()[:15])
-        addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, packed)[20:24])
-        mask = socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFNETMASK, packed)[20:24])
-    return addr, ipaddress.IPv4Network(f"0.0.0.0/{mask}").prefixlen
 
 
 def port_candidates(ports: str) -> Sequence[int]:
