@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .functions import variable_name
-from .gradients import GradientReducer
+from .gradients import GradientReducer, after_all
 
 __all__ = ["LocalAggregator"]
 
@@ -54,10 +54,10 @@ class LocalAggregator:
             if self.average:
                 reduced = [r if r is None else r / tf.cast(self.passes, r.dtype) for r in reduced]
             deps = [r for r in reduced if r is not None] if not tf.executing_eagerly() else None
-            with tf.control_dependencies(deps):
+            with tf.control_dependencies(after_all(deps) if deps else None):
                 resets = [a.assign(tf.zeros_like(a)) for a in self.accumulators if a is not None]
                 resets.append(self.counter.assign(0))
-            with tf.control_dependencies(resets if not tf.executing_eagerly() else None):
+            with tf.control_dependencies(after_all(resets) if not tf.executing_eagerly() else None):
                 return [tf.zeros_like(a) if r is None and a is not None else
                         (None if r is None else tf.identity(r))
                         for r, a in zip(reduced, self.accumulators)]
