@@ -102,13 +102,20 @@ class BucketRuns:
     Two of one name cannot be in flight on a rank, and the others may not have sent
     theirs yet: a request or notice under a name still in flight (sent, or abandoned, by
     an earlier run) goes once that one is done. A run counts a request as its own only
-    once it went, so a send that raised is tried again by the next run. What is in
-    flight is known across every BucketRuns of a process set: a function traced again
-    (tf.function's retrace) makes a new one for the same names."""
+    once it went, so a send that raised is tried again by the next run.
+
+    Both what is in flight and which unfinished run sent a name are kept per (process
+    set, name) across every BucketRuns: each trace of a tf.function (another input
+    shape, a retrace) makes its own for the same names, and a step that failed in one
+    trace must be noticed by the next step whichever trace that runs (else its buckets
+    pair with the other ranks' failed step and the weights silently differ)."""
 
     # (process set, name) -> the latest request or notice of that name, until it is done
     _latest: Dict[tuple, Handle] = {}
     _latest_lock = threading.Lock()
+    # (process set, name) -> the BucketRuns whose run sent it and has not ended
+    _open: Dict[tuple, "BucketRuns"] = {}
+    _runs = threading.RLock()  # one submit or stop at a time, over every BucketRuns
 
     def __init__(self, names: Sequence[str], process_set=global_process_set):
         self.names = list(names)
@@ -117,19 +124,24 @@ class BucketRuns:
         self._dropped: set = set()  # and those abandoned as it ended (until it has ended)
         self._lock = BucketRuns._latest_lock
         self._last = BucketRuns._latest
-        self._runs = threading.RLock()  # one submit or stop at a time
+
+    def _key(self, name: str) -> tuple:
+        return (id(self.process_set), name)
 
     def submit(self, k: int, submit: Callable, *args) -> Handle:
         """submit(*args) for request k (its handle, or one that completes as it does)."""
         with self._runs:
-            if k in self._sent:  # the next run began: what the last one did not send never comes
-                self._end_run(f"its previous run of this step failed there after "
-                              f"{len(self._sent)} of {len(self.names)} buckets had left, and "
-                              "its next run began")
+            owner = self._open.get(self._key(self.names[k]))
+            if owner is not None:  # the next run began (here or in another trace): what
+                # the last one did not send never comes
+                owner._end_run(f"its previous run of this step failed there after "
+                               f"{len(owner._sent)} of {len(owner.names)} buckets had left, "
+                               "and its next run began")
             handle = self._send(self.names[k], submit, *args)
             self._sent.add(k)
+            self._open[self._key(self.names[k])] = self
             if len(self._sent) == len(self.names):
-                self._sent = set()
+                self._close()
             return handle
 
     def stop(self, why: str) -> List[Handle]:
@@ -146,8 +158,16 @@ class BucketRuns:
             if k not in self._sent and k not in self._dropped:
                 handles.append(self._send(name, abandon_async, name, why, self.process_set))
                 self._dropped.add(k)
-        self._sent, self._dropped = set(), set()
+        self._close()
         return handles
+
+    def _close(self) -> None:
+        """The current run has ended: its names belong to no open run of this one."""
+        for k in self._sent:
+            key = self._key(self.names[k])
+            if self._open.get(key) is self:
+                del self._open[key]
+        self._sent, self._dropped = set(), set()
 
     def _send(self, name: str, submit: Callable, *args) -> Handle:
         """submit(*args) now, or, while the latest of `name` is in flight, once it is done

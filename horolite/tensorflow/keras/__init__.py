@@ -13,6 +13,7 @@ The collectives are Python ops, which XLA cannot compile: compile() turns XLA of
 from __future__ import annotations
 
 import tensorflow as tf
+import keras
 
 from . import backup_restore, keras_hooks
 
@@ -31,7 +32,7 @@ from .. import (Compression, ProcessSet, SyncBatchNormalization, _local_layer_va
 from .. import allgather as _allgather, allreduce as _allreduce, broadcast as _broadcast
 from .. import reducescatter as _reducescatter
 from ..aggregation import LocalAggregator
-from ..gradients import GradientReducer, check_arguments
+from ..gradients import GradientReducer, after_all, check_arguments
 from ..wrapper_optimizers import (ElasticAverageOptimizer, ModelAverageOptimizer,
                                   SyncReplicasOptimizer)
 from . import callbacks, elastic
@@ -85,13 +86,20 @@ class _DistributedMixin:
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
         grads = list(grads)
         if self._horolite_aggregator is None:
+            if not self.built and trainable_variables is not None:
+                # Built here, before the barrier below: built under it, the slots'
+                # initializers depend on the gradients, tf.function cannot lift them and
+                # runs the step through a second trace under other request names.
+                with keras.name_scope(self.name, caller=self):
+                    self.build(variables)
+                self.built = True
             reduced = self._horolite_reducer(grads, variables)
             if tf.executing_eagerly():
                 return super().apply(reduced, trainable_variables)
             # All of the update (`iterations` too, which needs no gradient) after every
             # gradient: a step that fails at one of its buckets changes nothing, anywhere.
-            with tf.control_dependencies([g.values if isinstance(g, tf.IndexedSlices) else g
-                                          for g in reduced if g is not None]):
+            with tf.control_dependencies(after_all([g.values if isinstance(g, tf.IndexedSlices) else g
+                                                    for g in reduced if g is not None])):
                 return super().apply(reduced, trainable_variables)
         if not self.built:
             self.build(variables)

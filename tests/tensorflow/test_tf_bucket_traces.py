@@ -1,0 +1,181 @@
+"""Rank side: gradient buckets across the traces of one function, and what tracing costs.
+
+Buckets are on in every run of this file (HOROLITE_GRADIENT_BUCKET_MB=0.3 unless the
+driver set a cap). A tf.function traces once per input shape, and each trace holds its
+own copy of the step's buckets under the same request names: a step that failed on one
+rank in one trace must be noticed by the next step whichever trace it runs, or its
+buckets pair with the other ranks' failed step and the weights silently differ.
+The barrier that keeps the weights equal after a failed step must cost edges linear in
+the number of variables, not one per (op, gradient) pair.
+"""
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("HOROLITE_GRADIENT_BUCKET_MB", "0.3")
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from mpi4py import MPI
+
+import horolite.tensorflow as hvd
+import horolite.tensorflow.keras as hvd_keras
+from horolite.api import buckets as bucket_plan
+
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+hvd.init()
+COMM = MPI.COMM_WORLD
+R, N = hvd.rank(), hvd.size()
+WIDTH, LAYERS = 128, 8
+
+
+def _two_ranks():
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+
+
+def requests_per_step(variables) -> int:
+    return len(bucket_plan.plan([int(np.prod(v.shape)) * 4 for v in variables],
+                                bucket_plan.bucket_cap_bytes()))
+
+
+class FailOnFlag(keras.layers.Layer):
+    """Identity forward; its backward fails (a reshape that cannot fit) while `flag` is
+    set: an op of backprop raising on one rank after the later layers' buckets left."""
+
+    def __init__(self, flag, **kwargs):
+        super().__init__(**kwargs)
+        self.flag = flag
+
+    def call(self, x):
+        flag = self.flag
+
+        @tf.custom_gradient
+        def identity(x):
+            def grad(dy):
+                shape = tf.where(flag > 0.5, tf.constant([-1, 7]), tf.shape(dy))
+                return tf.reshape(tf.reshape(dy, shape), tf.shape(dy))
+            return tf.identity(x), grad
+        return identity(x)
+
+
+def failing_model(flag):
+    keras.utils.set_random_seed(5)
+    return keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(WIDTH, activation="tanh"),
+                             FailOnFlag(flag)] +
+                            [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(LAYERS)] +
+                            [keras.layers.Dense(4)])
+
+
+def batch(r, rows):
+    rng = np.random.RandomState(1000 * rows + r)
+    return (tf.constant(rng.normal(size=(rows, WIDTH)).astype(np.float32)),
+            tf.constant(rng.normal(size=(rows, 4)).astype(np.float32)))
+
+
+PEER_FAILED = (r"rank 1 will never send it: its previous run of this step failed there "
+               r"after \d+ of \d+ buckets had left")
+
+
+def same_on_every_rank(variables, what):
+    mine = [np.asarray(v) for v in variables]
+    every = COMM.allgather(mine)
+    for r, theirs in enumerate(every):
+        for k, (a, b) in enumerate(zip(theirs, every[0])):
+            np.testing.assert_array_equal(a, b, err_msg=f"{what} {k}: rank {r} differs from rank 0")
+
+
+def tape_runner(model, opt):
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return lambda rows: step(*batch(R, rows))
+
+
+def fit_runner(model, opt):
+    model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError())
+
+    def run(rows):
+        x, y = batch(R, rows)
+        model.fit(x, y, batch_size=rows, epochs=1, shuffle=False, verbose=0)
+    return run
+
+
+@pytest.mark.parametrize("how", ["tape"])
+def test_a_step_failed_in_one_trace_fails_the_others_when_rank_1_runs_another_trace(how):
+    # Two batch shapes: two traces of one function, the same request names. Rank 1 fails
+    # in the first (after its top bucket left), then every rank runs the second: rank 1's
+    # first bucket there tells the others its failed step's other buckets never come, so
+    # their step fails naming rank 1 (before, rank 1's new buckets completed the others'
+    # failed step), and no rank applied any of it.
+    _two_ranks()
+    flag = tf.Variable(0.0, trainable=False)
+    model = failing_model(flag)
+    assert requests_per_step(model.trainable_variables) >= 2, "needs several buckets"
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.Adam(1e-3))
+    run = (tape_runner if how == "tape" else fit_runner)(model, opt)
+    run(32)
+    run(48)  # both traces made and warm
+    flag.assign(1.0 if R == 1 else 0.0)
+    if R == 1:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
+            run(32)
+    else:
+        with pytest.raises(tf.errors.OpError, match=PEER_FAILED):
+            run(32)
+    flag.assign(0.0)
+    run(48)
+    run(32)
+    same_on_every_rank([v.numpy() for v in model.trainable_variables], "weight")
+    same_on_every_rank([v.numpy() for v in opt.variables], "optimizer variable")
+    assert int(opt.iterations.numpy()) == 4  # the failed step counted nowhere
+
+
+# ---- what the barrier costs in the traced graph ----
+
+def control_edges(graph_def):
+    """(control inputs, nodes) in `graph_def` and the functions it holds."""
+    nodes = [n for ns in [graph_def.node] + [f.node_def for f in graph_def.library.function]
+             for n in ns]
+    return sum(1 for n in nodes for i in n.input if i.startswith("^")), len(nodes)
+
+
+def wide_model(layers):
+    keras.utils.set_random_seed(9)
+    return keras.Sequential([keras.Input((16,))] +
+                            [keras.layers.Dense(16, activation="tanh") for _ in range(layers)])
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_the_update_waits_for_every_request_through_edges_linear_in_the_graph(compression):
+    # One request per gradient: before, every root op of Adam's update took one control
+    # input per gradient, every wait one per enqueue, and with fp16 every reduced gradient
+    # one per cast (N^2 each: tens of thousands of edges here, 1.35 M at 300 variables).
+    # TensorFlow's own ordering gives about one per op.
+    _two_ranks()
+    model = wide_model(30)
+    n = len(model.trainable_variables)
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.Adam(1e-3), num_groups=n,
+                                         compression=getattr(hvd.Compression, compression))
+    model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError())
+    rng = np.random.RandomState(R)
+    x, y = rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(8, 16)).astype(np.float32)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    graph_def = _functions(model.train_function)[-1].graph.as_graph_def()
+    edges, ops = control_edges(graph_def)
+    assert edges < 2 * ops, f"{edges} control edges among {ops} ops ({n} variables)"
+
+
+def _functions(fn):
+    fns = [c.cell_contents for c in (fn.__closure__ or ())] if not hasattr(
+        fn, "_list_all_concrete_functions") else [fn]
+    for f in fns:
+        if hasattr(f, "_list_all_concrete_functions"):
+            return f._list_all_concrete_functions()
+    raise AssertionError(f"no traced function in {fn}")
+
