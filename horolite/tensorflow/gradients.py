@@ -202,7 +202,11 @@ class GradientReducer:
 
         def request(members):
             """(the compressed tensors and their contexts, submit, whether submit must get copies)"""
-            comp = [(_placeholder(variables[i] if variables is not None else None), None)
+            # A None gradient's placeholder is compressed as the gradient would be, so a
+            # bucket holds the same dtypes on every rank (else it packs on one and not on
+            # another, under other names, and every rank waits).
+            comp = [(self.compression.compress(_placeholder(variables[i] if variables is not None
+                                                            else None))[0], None)
                     if grads[i] is None else self.compression.compress(tf.convert_to_tensor(grads[i]))
                     for i in members]
             if len(members) == 1:
