@@ -23,6 +23,7 @@ from mpi4py import MPI
 import horolite.tensorflow as hvd
 import horolite.tensorflow.keras as hvd_keras
 from horolite.api import buckets as bucket_plan
+from bucket_failures import PEER_FAILED, FailOnFlag, same_on_every_rank
 
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -42,26 +43,6 @@ def requests_per_step(variables) -> int:
                                 bucket_plan.bucket_cap_bytes()))
 
 
-class FailOnFlag(keras.layers.Layer):
-    """Identity forward; its backward fails (a reshape that cannot fit) while `flag` is
-    set: an op of backprop raising on one rank after the later layers' buckets left."""
-
-    def __init__(self, flag, **kwargs):
-        super().__init__(**kwargs)
-        self.flag = flag
-
-    def call(self, x):
-        flag = self.flag
-
-        @tf.custom_gradient
-        def identity(x):
-            def grad(dy):
-                shape = tf.where(flag > 0.5, tf.constant([-1, 7]), tf.shape(dy))
-                return tf.reshape(tf.reshape(dy, shape), tf.shape(dy))
-            return tf.identity(x), grad
-        return identity(x)
-
-
 def failing_model(flag):
     keras.utils.set_random_seed(5)
     return keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(WIDTH, activation="tanh"),
@@ -74,18 +55,6 @@ def batch(r, rows):
     rng = np.random.RandomState(1000 * rows + r)
     return (tf.constant(rng.normal(size=(rows, WIDTH)).astype(np.float32)),
             tf.constant(rng.normal(size=(rows, 4)).astype(np.float32)))
-
-
-PEER_FAILED = (r"rank 1 will never send it: its previous run of this step failed there "
-               r"after \d+ of \d+ buckets had left")
-
-
-def same_on_every_rank(variables, what):
-    mine = [np.asarray(v) for v in variables]
-    every = COMM.allgather(mine)
-    for r, theirs in enumerate(every):
-        for k, (a, b) in enumerate(zip(theirs, every[0])):
-            np.testing.assert_array_equal(a, b, err_msg=f"{what} {k}: rank {r} differs from rank 0")
 
 
 def tape_runner(model, opt):

@@ -26,6 +26,7 @@ import horolite.tensorflow.keras as hvd_keras
 from horolite.api import buckets as bucket_plan
 from horolite.core.timeline import read_events
 from tf_modes import NATIVE
+from bucket_failures import PEER_FAILED, FailOnFlag, same_on_every_rank
 
 # One thread each, as a rank on a busy host runs (and the case where TensorFlow's executor,
 # left alone, ran every bucket's enqueue at the end of backprop).
@@ -422,39 +423,6 @@ def test_legacy_optimizer_in_a_tf1_graph_updates_like_numpy_and_overlaps():
     if EXPECT:
         assert spread > SPREAD, "the buckets left together"
         assert waited_for == expected_requests(tf.float32, [w.nbytes for w in weights]) - 1
-
-
-class FailOnFlag(keras.layers.Layer):
-    """Identity forward; its backward fails (a reshape that cannot fit) while `flag` is set:
-    an op of backprop raising on one rank after the later layers' buckets left."""
-
-    def __init__(self, flag, **kwargs):
-        super().__init__(**kwargs)
-        self.flag = flag
-
-    def call(self, x):
-        flag = self.flag
-
-        @tf.custom_gradient
-        def identity(x):
-            def grad(dy):
-                shape = tf.where(flag > 0.5, tf.constant([-1, 7]), tf.shape(dy))
-                return tf.reshape(tf.reshape(dy, shape), tf.shape(dy))
-            return tf.identity(x), grad
-        return identity(x)
-
-
-PEER_FAILED = (r"rank 1 will never send it: its previous run of this step failed there "
-               r"after \d+ of \d+ buckets had left")
-
-
-def same_on_every_rank(variables, what):
-    """Every rank holds the same values of `variables` (gathered with mpi4py)."""
-    mine = [np.asarray(v) for v in variables]
-    every = COMM.allgather(mine)
-    for r, theirs in enumerate(every):
-        for k, (a, b) in enumerate(zip(theirs, every[0])):
-            np.testing.assert_array_equal(a, b, err_msg=f"{what} {k}: rank {r} differs from rank 0")
 
 
 def failing_model(flag):
