@@ -22,7 +22,7 @@ import ipaddress
 import socket
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["Address", "interfaces", "offered", "order_for", "describe"]
+__all__ = ["Address", "interfaces", "offered", "order_for", "own_host_addresses"]
 
 # Left out unless named: loopback and the bridges that container runtimes and
 # hypervisors add (NCCL's default is "^docker,lo"). A pod's or a host's own eth0,
@@ -149,6 +149,3 @@ def order_for(mine: Sequence[Address], theirs: Sequence[Address],
             ordered.append(addr)
     return ordered
 
-
-def describe(addresses: Sequence[Address]) -> str:
-    return ", ".join(f"{a.addr} ({a.iface})" for a in addresses) or "none"

@@ -44,15 +44,11 @@ def partners(index: int, n: int, shape: str = "") -> Set[int]:
     if shape == "ring":
         return {(index + 1) % n, (index - 1) % n} - {index}
     found, k = set(), 1
-    while k < n:  # the binomial trees' and recursive doubling's partners: index +- 2**j
+    while k < n:  # the trees', recursive doubling's and the fold's partners: index +- 2**j
         for q in (index + k, index - k):
             if 0 <= q < n:
                 found.add(q)
         k <<= 1
-    p = _floor_pow2(n)
-    for q in (index + p, index - p):  # the fold of the ranks above p
-        if 0 <= q < n:
-            found.add(q)
     return found
 
 
