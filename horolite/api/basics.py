@@ -8,10 +8,11 @@ import threading
 
 from ..core import config as config_mod
 from ..core import log, settings
-from ..core.mpi_library import load_mpi
+from ..core.mpi_library import chosen
 from ..failure import launch_check, process_hooks
 from ..failure.shm_files import remove_mapped
 from ..runtime import registry
+from ..world import open_world, sockets
 from . import process_sets as _process_sets
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -39,10 +40,11 @@ def init(comm=None, process_sets=None) -> None:
             return
         cfg = config_mod.from_environ()
         _set_thread_level(cfg)
-        MPI = load_mpi()
+        MPI = open_world()
         from ..runtime.background import Runtime
 
-        launch_check.check(MPI.COMM_WORLD.Get_size(), os.environ, MPI.Get_library_version)
+        if chosen() is not sockets:
+            launch_check.check(MPI.COMM_WORLD.Get_size(), os.environ, MPI.Get_library_version)
         comm = _communicator(MPI, comm)
         log.configure(cfg.log_level, comm.Get_rank(), comm.Get_size(), cfg.log_hide_time)
         if comm.Get_rank() == 0:
@@ -208,7 +210,7 @@ def is_homogeneous() -> bool:
 
 def mpi_threads_supported() -> bool:
     runtime()
-    from mpi4py import MPI
+    from ..core.mpi_library import MPI
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 

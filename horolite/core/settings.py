@@ -27,6 +27,12 @@ HARNESS = ("HOROLITE_UNDER_MPIRUN", "HOROLITE_PROBE_API",
            "HOROLITE_ELASTIC_JOB", "HOROLITE_ELASTIC_GENERATION", "HOROLITE_ELASTIC_NOTIFY",
            "HOROLITE_ELASTIC_SEEN", "HOROLITE_ELASTIC_COMMIT_DIR")
 HARNESS_PREFIX = "HOROLITE_TEST_"
+# Who a rank is in a job started without MPI (horolite/world/identity.py; horolite-run
+# --gloo sets them, with Horovod's Gloo names): read at init, never warned about.
+WORLD = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME",
+         "RENDEZVOUS_ADDR", "RENDEZVOUS_PORT", "GLOO_RENDEZVOUS_ADDR", "GLOO_RENDEZVOUS_PORT",
+         "JOB_KEY", "JOB_KEY_FILE", "GLOO_TIMEOUT_SECONDS", "GLOO_IFACE", "CONTROLLER",
+         "CPU_OPERATIONS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,13 +265,10 @@ NOT_HONOURED = {
                          "library_options.num_nccl_streams", int),
     "THREAD_AFFINITY": ("pin ranks with --binding-args (mpirun's binding) or taskset",
                         "--thread-affinity", "library_options.thread_affinity", int),
-    "GLOO_TIMEOUT_SECONDS": ("horolite has no Gloo controller: MPI only", "", "", None),
     "ADASUM_MPI_CHUNK_SIZE": ("horolite's Adasum sends each pair's whole tensors in one "
                               "message", "", "", None),
     "BATCH_D2D_MEMCOPIES": ("horolite packs device tensors with CuPy; nothing to set", "", "",
                             None),
-    "CONTROLLER": ("horolite's controller is always MPI", "", "", None),
-    "CPU_OPERATIONS": ("horolite's host collectives are always its own over MPI", "", "", None),
     "GPU_OPERATIONS": ("GPU collectives use NCCL when CuPy is installed (pip install "
                        "horolite[cuda])", "", "", None),
     "GPU_ALLREDUCE": ("GPU collectives use NCCL when CuPy is installed", "", "", None),
@@ -292,10 +295,8 @@ for _name in ("WITH_TENSORFLOW", "WITHOUT_TENSORFLOW", "WITH_PYTORCH", "WITHOUT_
               "WITHOUT_GLOO"):
     NOT_HONOURED[_name] = ("a Horovod build switch: horolite compiles nothing against a framework "
                            "(pip install \"horolite[tensorflow]\")", "", "", None)
-for _name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME",
-              "GLOO_RENDEZVOUS_ADDR", "GLOO_RENDEZVOUS_PORT", "GLOO_IFACE", "SECRET_KEY"):
-    NOT_HONOURED[_name] = ("ranks and hosts come from MPI, not from the environment", "", "",
-                           None)
+NOT_HONOURED["SECRET_KEY"] = ("a job started without MPI takes its key from HOROLITE_JOB_KEY or "
+                              "HOROLITE_JOB_KEY_FILE (horolite-run --gloo sets it)", "", "", None)
 
 
 def _lookup(name: str, environ: Optional[Mapping[str, str]]):
@@ -338,7 +339,7 @@ def unhonoured(environ: Optional[Mapping[str, str]] = None):
         if prefix is None or variable in HARNESS or variable.startswith(HARNESS_PREFIX):
             continue
         name = variable[len(prefix):]
-        if name in BY_NAME:
+        if name in BY_NAME or name in WORLD:
             continue
         if name in NOT_HONOURED:
             found.append((variable, f"not honoured: {NOT_HONOURED[name][0]}"))

@@ -22,7 +22,7 @@ import traceback
 from typing import Optional, Sequence
 
 import numpy as np
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 from .process_hooks import exit_now
 

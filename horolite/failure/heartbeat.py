@@ -22,7 +22,7 @@ import time
 from typing import Dict, Iterable, List, Optional
 
 import numpy as np
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 __all__ = ["Heartbeat", "INTERVAL", "SILENT_AFTER", "processes_gone", "stat_says_gone"]
 

@@ -14,9 +14,10 @@ import threading
 import time
 from typing import List, Optional
 
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 from ..core import config as config_mod
+from ..core.mpi_library import without_mpi
 from ..coordination.autotune import Autotuner, parse_start
 from ..coordination.control import ControlVector
 from ..failure.collective_watch import CollectiveWatch
@@ -94,8 +95,10 @@ class Runtime(Cycle, JobEnd):
             self.failures.where = self._where_in_job
         # Connections to peers on other hosts that closed (links.py): never sent to.
         # Ranks on one host reach each other through shared memory, not UCX's sockets.
+        # (Without MPI the world's own connections raise LinkLost themselves.)
         self.links = (leader.links if leader is not None else
-                      LinkWatch(comm, hostnames) if len(set(hostnames)) > 1 else None)
+                      LinkWatch(comm, hostnames) if len(set(hostnames)) > 1
+                      and not without_mpi() else None)
         if leader is None:
             self.failures.unsafe = self._unreachable
             if self.links is not None:

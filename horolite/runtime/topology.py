@@ -1,7 +1,7 @@
 """Where this rank is: rank/size of the job, of its host and across hosts."""
 from __future__ import annotations
 
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 from ..core.hosts import host_name, split_by_host
 

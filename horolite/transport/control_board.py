@@ -22,7 +22,7 @@ import time
 from typing import List, Optional
 
 import numpy as np
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 from .._native import ffi as _ffi, lib as _lib
 from ..core import kernels

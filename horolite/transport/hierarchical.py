@@ -28,7 +28,7 @@ import logging
 from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 from ..core import kernels
 from ..core.hosts import split_by_host

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 import numpy as np
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 from ..core.hosts import split_by_host
 from .control_board import ControlBoard

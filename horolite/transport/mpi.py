@@ -13,7 +13,7 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 import numpy as np
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 from .ring import Ring
 

@@ -383,7 +383,7 @@ def create_nccl_transport(comm: "MPI.Comm", local_rank: int) -> Tuple[Optional[N
     all (decide_nccl), so every rank takes the same branch and neither the id
     exchange nor NCCL's communicator set-up waits for a rank that is not coming.
     """
-    from mpi4py import MPI
+    from ..core.mpi_library import MPI
     host = MPI.Get_processor_name()
     switch = shared_gpu_test_switch()
     if switch:

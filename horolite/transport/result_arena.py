@@ -18,7 +18,7 @@ import secrets
 from typing import Optional
 
 import numpy as np
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 __all__ = ["ResultArena", "open_result_arena"]
 

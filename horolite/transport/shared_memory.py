@@ -17,7 +17,7 @@ import logging
 from typing import Optional, Sequence, Union
 
 import numpy as np
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 from ..core import kernels
 from ..core.hosts import split_by_host

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from mpi4py import MPI
+from ..core.mpi_library import MPI
 
 from ..failure.links import LinkLost
 from .ring import Ring
@@ -99,7 +99,7 @@ def port_candidates(ports: str) -> Sequence[int]:
     return range(first, last + 1)
 
 
-def _listen(binds: Sequence[str], ports: str) -> List[socket.socket]:
+def listen(binds: Sequence[str], ports: str) -> List[socket.socket]:
     """Listening sockets on each address of `binds`, all on one port of `ports`."""
     last = None
     for port in port_candidates(ports):
@@ -188,7 +188,7 @@ def open_mesh(comm: MPI.Comm, wanted: Sequence[int], hostnames: Sequence[str], w
     try:
         addrs = tcp_address.offered(iface)
         binds = [a.addr for a in addrs] + ([LOOPBACK] if same_machine else [])
-        listeners = _listen(binds, ports)
+        listeners = listen(binds, ports)
         info = {"machine": machine, "addrs": addrs, "port": listeners[0].getsockname()[1],
                 "named": tcp_address.own_host_addresses()}
     except OSError as e:

@@ -1,0 +1,67 @@
+"""The job's world: who the ranks are and how they reach each other, with MPI or without.
+
+The runtime asks one interface of its world: mpi4py's names, as far as horolite uses
+them (ranks and sizes, splits, set-up exchanges of small objects, point-to-point
+messages with requests to test and wait on, nonblocking collectives, shared-memory
+windows; the list is sockets.py's __all__). Two implementations stand behind it:
+
+* MPI (mpi4py), whenever an MPI launcher started the job, and for a process that
+  nobody started as a rank while mpi4py and an MPI library are installed (rank 0 of 1,
+  as always);
+* horolite's own connections (sockets.py), when the environment says who this rank
+  is (identity.py: horolite-run --gloo, Horovod's Gloo names, torchrun and
+  PyTorchJob, Kubeflow Trainer, Slurm's srun, TF_CONFIG), or when there is no MPI.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping, Optional
+
+__all__ = ["open_world", "gloo_timeout"]
+
+_log = logging.getLogger("horolite.world")
+
+DEFAULT_TIMEOUT = 30.0  # horovodrun --gloo-timeout-seconds' default
+
+
+def gloo_timeout(environ: Mapping[str, str] = os.environ) -> float:
+    for name in ("HOROLITE_GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"):
+        raw = environ.get(name, "").strip()
+        if raw:
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+            if value <= 0:
+                raise ValueError(f"{name}={raw!r} must be above 0")
+            return value
+    return DEFAULT_TIMEOUT
+
+
+def open_world(environ: Mapping[str, str] = os.environ):
+    """The names module the job runs on (mpi4py's MPI or sockets), its world started."""
+    from ..core import mpi_library
+    from . import identity as identity_mod
+    if mpi_library.chosen() is not None:
+        return mpi_library.chosen()
+    found: Optional[identity_mod.Identity] = identity_mod.from_environ(environ)
+    if found is None:
+        try:
+            names = mpi_library.load_mpi()
+        except mpi_library.MPILibraryNotFound:
+            if identity_mod.under_mpi_launcher(environ):
+                raise
+            found = identity_mod.Identity(0, 1, 0, 1, "", 0, "no MPI and no launcher: 1 rank",
+                                          False, None)
+        else:
+            mpi_library.use(names)
+            return names
+    from . import sockets
+    settings_iface = environ.get("HOROLITE_TCP_IFACE", environ.get("HOROVOD_GLOO_IFACE", ""))
+    sockets.open_world(found, identity_mod.job_key(environ) if found.size > 1 else None,
+                       gloo_timeout(environ), settings_iface)
+    mpi_library.use(sockets)
+    _log.info("rank %d of %d: started without MPI (who: %s)", found.rank, found.size,
+              found.source)
+    return sockets

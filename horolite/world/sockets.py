@@ -1,0 +1,136 @@
+"""The job world without MPI: a rendezvous, then one TCP connection per pair of ranks.
+
+This module stands where mpi4py's MPI module stands in an MPI-launched job (names.py
+picks one of the two at init): the same names, as far as horolite uses them, so the
+runtime, its transports and its failure handling run unchanged on either. Ranks find
+each other through the rendezvous (rendezvous.py: served by horolite-run, or by rank 0
+where a scheduler started the ranks); each puts where it listens and reads the others',
+and every pair connects with the hello of transport/tcp_hello.py under the job's key.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Dict, List, Optional
+
+from ..transport import tcp_address
+from ..transport.tcp_hello import Acceptor, HelloRefused, connect
+from . import codec
+from .sockets_comm import (BAND, BOR, BYTE, COMM_NULL, COMM_TYPE_SHARED, IN_PLACE, LAND, LOR,
+                           MAX, MIN, SUM, UNDEFINED, Comm, Group, Op, SocketWorldError, Win,
+                           processor_name)
+from .sockets_mesh import ANY_SOURCE, REQUEST_NULL, Mesh, Request, Status
+
+__all__ = ["open_world", "close_world", "COMM_WORLD", "Comm", "Group", "Op", "Win", "Request",
+           "Status", "Exception", "ANY_SOURCE", "REQUEST_NULL", "COMM_NULL", "UNDEFINED",
+           "IN_PLACE", "BYTE", "LAND", "LOR", "BOR", "BAND", "SUM", "MAX", "MIN",
+           "COMM_TYPE_SHARED", "THREAD_MULTIPLE", "Query_thread", "Get_processor_name",
+           "Get_library_version"]
+
+_log = logging.getLogger("horolite.world")
+
+Exception = SocketWorldError  # noqa: A001 (MPI.Exception's name)
+THREAD_MULTIPLE = 3
+WORLD_CONTEXT = 1
+COMM_WORLD: Optional[Comm] = None
+_server = None  # the rendezvous this process serves (rank 0 of a scheduler-started job)
+
+
+def Query_thread() -> int:
+    return THREAD_MULTIPLE
+
+
+def Get_processor_name() -> str:
+    return processor_name()
+
+
+def Get_library_version() -> str:
+    return "horolite's own connections (no MPI)"
+
+
+def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "") -> Comm:
+    """Meet the other ranks and connect to each; COMM_WORLD from then on."""
+    global COMM_WORLD, _server
+    rank, size = identity.rank, identity.size
+    if size == 1:
+        COMM_WORLD = Comm(Mesh(0, 1, {}, lambda q: f"rank {q}"), [0], WORLD_CONTEXT)
+        return COMM_WORLD
+    if key is None:
+        raise ValueError(f"a {size}-rank job without MPI needs the job's key: set "
+                         "HOROLITE_JOB_KEY (hex, at least 16 bytes) or HOROLITE_JOB_KEY_FILE "
+                         "on every rank (horolite-run --gloo sets it)")
+    from .rendezvous import RendezvousClient, RendezvousServer
+    if identity.serve and rank == 0:
+        _server = RendezvousServer(key, "0.0.0.0", identity.rendezvous_port)
+    mine = tcp_address.offered(iface)
+    binds = sorted({a.addr for a in mine} | {"127.0.0.1"})
+    listeners = _listen(binds)
+    port = listeners[0].getsockname()[1]
+    machine = Get_processor_name()
+    client = RendezvousClient(identity.rendezvous_addr, identity.rendezvous_port, key, timeout)
+    try:
+        client.put("world", str(rank), codec.encode({
+            "host": identity.host_label or machine, "machine": machine, "port": port,
+            "addresses": [list(a) for a in mine],
+            "by_name": tcp_address.own_host_addresses()}))
+        found = client.wait_all("world", [str(q) for q in range(size)], timeout,
+                                describe=lambda k: f"rank {k}")
+    finally:
+        client.close()
+    peers = [codec.decode(found[str(q)]) for q in range(size)]
+
+    def where(q: int) -> str:
+        return f"rank {q} (host {peers[q]['host']})"
+    acceptor = Acceptor(listeners, rank, {q: 1 for q in range(rank + 1, size)}, key)
+    deadline = time.monotonic() + timeout
+    socks: Dict[int, socket.socket] = {}
+    try:
+        for q in range(rank):
+            socks[q] = _dial(rank, q, peers[q], mine, machine, key, deadline, where)
+        if not acceptor.wait(deadline):
+            raise TimeoutError(f"rank {rank}: within {timeout:g} s no connection came from "
+                               + ", ".join(where(q) for q in acceptor.waiting_for()))
+    finally:
+        acceptor.close()
+    for q, streams in acceptor.taken().items():
+        socks[q] = streams[0]
+    COMM_WORLD = Comm(Mesh(rank, size, socks, where), list(range(size)), WORLD_CONTEXT)
+    _log.info("rank %d: connected to %d ranks without MPI (rendezvous %s:%d)", rank, size - 1,
+              identity.rendezvous_addr, identity.rendezvous_port)
+    return COMM_WORLD
+
+
+def _listen(binds: List[str]) -> List[socket.socket]:
+    from ..transport.tcp import listen
+    return listen(binds, os.environ.get("HOROLITE_TCP_PORT_RANGE", ""))
+
+
+def _dial(rank: int, q: int, peer: dict, mine, machine: str, key: bytes, deadline: float,
+          where) -> socket.socket:
+    theirs = [tcp_address.Address(*a) for a in peer["addresses"]]
+    candidates = (["127.0.0.1"] if peer["machine"] == machine else []) + \
+        tcp_address.order_for(mine, theirs, peer["by_name"])
+    tried = []
+    while True:
+        for addr in candidates:
+            try:
+                return connect(addr, peer["port"], rank, q, 0, key,
+                               max(0.5, deadline - time.monotonic()))
+            except (OSError, HelloRefused) as e:
+                tried.append(f"{addr}: {e}")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"rank {rank} could not reach {where(q)} at any of "
+                               f"{candidates} port {peer['port']}: " + "; ".join(tried[-3:]))
+        time.sleep(0.05)
+
+
+def close_world() -> None:
+    """At process exit: the connections and the rendezvous this process served."""
+    global _server
+    if COMM_WORLD is not None:
+        COMM_WORLD.mesh.close()
+    if _server is not None:
+        _server.close()
+        _server = None

@@ -1,0 +1,352 @@
+"""Point-to-point messages between the ranks of a job started without MPI.
+
+One authenticated TCP connection joins each pair of ranks (set up in sockets.py). A
+reader thread per connection takes every message as it comes, so a sender never
+waits on its peer's progress and two ranks sending to each other cannot deadlock;
+a message meets a posted receive in posting order, or waits in a queue for one, as
+MPI's matching does (per communicator context, source and tag, never overtaking).
+Large messages land straight in the posted receive's buffer. A connection that
+closes fails the receives waiting on it with LinkLost naming the peer.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import struct
+import threading
+from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+from ..failure.links import LinkLost
+
+__all__ = ["ANY_SOURCE", "Mesh", "Request", "RecvRequest", "REQUEST_NULL", "Status"]
+
+_log = logging.getLogger("horolite.world")
+
+ANY_SOURCE = -1
+HEADER = struct.Struct("<Qqq")  # communicator context, tag, payload bytes
+MAX_MESSAGE = 1 << 40
+
+
+class Status:
+    """Where a completed receive came from and how many bytes it took."""
+
+    def __init__(self):
+        self.source, self.tag, self.count = -1, -1, 0
+
+    def Get_source(self) -> int:
+        return self.source
+
+    def Get_tag(self) -> int:
+        return self.tag
+
+    def Get_count(self, datatype=None) -> int:
+        return self.count
+
+
+class Request:
+    """mpi4py's Request, for this world: Test/Wait, and once seen complete it equals
+    REQUEST_NULL, as an MPI request handle does."""
+
+    def __init__(self, mesh: Optional["Mesh"]):
+        self.mesh = mesh
+        self.done = mesh is None
+        self.error: Optional[BaseException] = None
+        self.seen = mesh is None
+        self.source, self.tag, self.count = -1, -1, 0
+
+    # -- progress: a plain request is completed by the mesh; composites override --
+    def advance(self) -> bool:
+        return self.done
+
+    def Test(self, status: Optional[Status] = None) -> bool:
+        if not self.advance():
+            return False
+        if self.error is not None:
+            self.seen = True
+            raise self.error
+        if status is not None:
+            status.source, status.tag, status.count = self.source, self.tag, self.count
+        self.seen = True
+        return True
+
+    def Wait(self, status: Optional[Status] = None) -> None:
+        Request.Waitall([self])
+        if status is not None:
+            status.source, status.tag, status.count = self.source, self.tag, self.count
+
+    def Cancel(self) -> None:
+        """A receive not yet matched is withdrawn; one failed by a lost peer is then done."""
+        if self.mesh is not None and not self.seen:
+            self.mesh.cancel(self)
+            self.error = None
+
+    def Free(self) -> None:
+        self.Cancel()
+        self.seen = True
+
+    def __eq__(self, other) -> bool:
+        if other is REQUEST_NULL or self is REQUEST_NULL:
+            return (self.seen if other is REQUEST_NULL else other.seen)
+        return self is other
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    __hash__ = object.__hash__
+
+    def __bool__(self) -> bool:
+        return not self.seen
+
+    # -- mpi4py's class-level waits --
+    @staticmethod
+    def Testall(reqs, statuses=None) -> bool:
+        if all(r.seen or r.advance() for r in reqs):
+            for r in reqs:
+                if not r.seen:
+                    r.Test()
+            return True
+        return False
+
+    @staticmethod
+    def Testany(reqs, status: Optional[Status] = None) -> Tuple[int, bool]:
+        live = [i for i, r in enumerate(reqs) if not r.seen]
+        if not live:
+            return -32766, True  # MPI_UNDEFINED: nothing active
+        for i in live:
+            if reqs[i].Test(status):
+                return i, True
+        return -32766, False
+
+    @staticmethod
+    def Testsome(reqs, statuses=None) -> Optional[List[int]]:
+        live = [i for i, r in enumerate(reqs) if not r.seen]
+        if not live:
+            return None
+        done = []
+        for i in live:
+            r = reqs[i]
+            if r.advance() and r.error is None:
+                r.Test()
+                done.append(i)
+        return done
+
+    @staticmethod
+    def Waitany(reqs, status: Optional[Status] = None) -> int:
+        mesh = _mesh_of(reqs)
+        while True:
+            version = mesh.version if mesh is not None else 0
+            index, flag = Request.Testany(reqs, status)
+            if flag:
+                return index
+            mesh.wait_change(version)
+
+    @staticmethod
+    def Waitall(reqs, statuses=None) -> None:
+        mesh = _mesh_of(reqs)
+        while True:
+            version = mesh.version if mesh is not None else 0
+            if Request.Testall(reqs):
+                return
+            mesh.wait_change(version)
+
+
+def _mesh_of(reqs) -> Optional["Mesh"]:
+    for r in reqs:
+        if r.mesh is not None:
+            return r.mesh
+    return None
+
+
+REQUEST_NULL = Request(None)
+
+
+class RecvRequest(Request):
+    def __init__(self, mesh: "Mesh", buf, context: int, source: int, tag: int):
+        super().__init__(mesh)
+        self.view = memoryview(buf).cast("B") if buf is not None else None
+        self.context, self.want, self.tag = context, source, tag
+        self.data: Optional[bytes] = None  # an object receive (view None) gets bytes
+
+    def matches(self, context: int, source: int, tag: int) -> bool:
+        return (self.context == context and self.tag == tag
+                and self.want in (ANY_SOURCE, source))
+
+
+class Mesh:
+    """This rank's connections to every other rank of the job: sends, receives, losses."""
+
+    def __init__(self, rank: int, size: int, socks: Dict[int, socket.socket],
+                 where: Callable[[int], str]):
+        self.rank, self.size, self.where = rank, size, where
+        self._socks = dict(socks)
+        self._send_locks = {q: threading.Lock() for q in socks}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self.version = 0
+        self._posted: List[RecvRequest] = []
+        self._arrived: Dict[Tuple[int, int, int], Deque[bytes]] = collections.defaultdict(
+            collections.deque)
+        self.lost: Dict[int, LinkLost] = {}
+        self._closing = False
+        self._readers = []
+        for q, sock in self._socks.items():
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = threading.Thread(target=self._read, args=(q, sock), daemon=True,
+                                 name=f"horolite-world-recv-{rank}-from-{q}")
+            t.start()
+            self._readers.append(t)
+
+    # -- waiting --
+    def wait_change(self, version: int, timeout: float = 0.05) -> None:
+        with self._changed:
+            if self.version == version:
+                self._changed.wait(timeout)
+
+    def _bump(self) -> None:  # (under the lock)
+        self.version += 1
+        self._changed.notify_all()
+
+    # -- sending --
+    def send(self, context: int, dest: int, tag: int, data) -> None:
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+        if dest == self.rank:
+            self._deliver(context, dest, tag, bytes(view))
+            return
+        if dest in self.lost:
+            raise self.lost[dest]
+        sock = self._socks.get(dest)
+        if sock is None:
+            raise ValueError(f"rank {self.rank} has no connection to rank {dest}")
+        try:
+            with self._send_locks[dest]:
+                sock.sendall(HEADER.pack(context, tag, len(view)))
+                if len(view):
+                    sock.sendall(view)
+        except OSError as e:
+            error = self._lose(dest, f"sending failed: {e}")
+            raise error from None
+
+    # -- receiving --
+    def post(self, req: RecvRequest) -> RecvRequest:
+        with self._lock:
+            for key in self._keys_for(req):
+                queue = self._arrived.get(key)
+                if queue:
+                    data = queue.popleft()
+                    if not queue:
+                        del self._arrived[key]
+                    self._fill(req, key[1], data)
+                    self._bump()
+                    return req
+            if req.want != ANY_SOURCE and req.want in self.lost:
+                req.error, req.done = self.lost[req.want], True
+                return req
+            self._posted.append(req)
+        return req
+
+    def _keys_for(self, req: RecvRequest):
+        if req.want != ANY_SOURCE:
+            return [(req.context, req.want, req.tag)]
+        return [k for k in list(self._arrived) if k[0] == req.context and k[2] == req.tag]
+
+    def cancel(self, req: Request) -> None:
+        with self._lock:
+            if req in self._posted:
+                self._posted.remove(req)
+                req.done = True
+                self._bump()
+
+    def _fill(self, req: RecvRequest, source: int, data: bytes) -> None:
+        if req.view is None:
+            req.data = data
+        else:
+            if len(data) > len(req.view):
+                req.error = ValueError(f"a message of {len(data)} bytes from rank {source} "
+                                       f"for a receive of {len(req.view)} (tag {req.tag})")
+            else:
+                req.view[:len(data)] = data
+        req.source, req.count, req.done = source, len(data), True
+
+    def _claim(self, context: int, source: int, tag: int) -> Optional[RecvRequest]:
+        for req in self._posted:
+            if req.matches(context, source, tag):
+                self._posted.remove(req)
+                return req
+        return None
+
+    def _deliver(self, context: int, source: int, tag: int, data: bytes) -> None:
+        with self._lock:
+            req = self._claim(context, source, tag)
+            if req is None:
+                self._arrived[(context, source, tag)].append(data)
+            else:
+                self._fill(req, source, data)
+            self._bump()
+
+    def _read(self, q: int, sock: socket.socket) -> None:
+        header = bytearray(HEADER.size)
+        try:
+            while True:
+                if not _read_into(sock, memoryview(header)):
+                    raise ConnectionResetError("closed by the peer")
+                context, tag, n = HEADER.unpack(header)
+                if not 0 <= n <= MAX_MESSAGE:
+                    raise ValueError(f"a garbled header ({n} bytes)")
+                with self._lock:
+                    req = self._claim(context, q, tag)
+                if req is not None and req.view is not None and n <= len(req.view):
+                    if n and not _read_into(sock, req.view[:n]):
+                        raise ConnectionResetError("closed by the peer inside a message")
+                    with self._lock:
+                        req.source, req.count, req.done = q, n, True
+                        self._bump()
+                    continue
+                data = bytearray(n)
+                if n and not _read_into(sock, memoryview(data)):
+                    raise ConnectionResetError("closed by the peer inside a message")
+                with self._lock:
+                    if req is None:
+                        req = self._claim(context, q, tag)
+                    if req is None:
+                        self._arrived[(context, q, tag)].append(bytes(data))
+                    else:
+                        self._fill(req, q, bytes(data))
+                    self._bump()
+        except (OSError, ValueError) as e:
+            if not self._closing:
+                self._lose(q, str(e) or type(e).__name__)
+
+    def _lose(self, q: int, why: str) -> LinkLost:
+        with self._lock:
+            if q in self.lost:
+                return self.lost[q]
+            error = LinkLost(f"the connection to {self.where(q)} closed: {why}", [q])
+            self.lost[q] = error
+            for req in [r for r in self._posted if r.want == q]:
+                self._posted.remove(req)
+                req.error, req.done = error, True
+            self._bump()
+        _log.debug("rank %d: %s", self.rank, error)
+        return error
+
+    def close(self) -> None:
+        self._closing = True
+        for sock in self._socks.values():
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+
+def _read_into(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from `sock`; False when the peer closed first."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+        if n == 0:
+            return False
+        got += n
+    return True
