@@ -13,7 +13,7 @@ LAUNCHER = os.path.join(ROOT, "launcher")
 # Lowest first. A module may import its own layer and those below it, never one above.
 LAYERS = [
     ("horolite.errors", "horolite.version", "horolite._native", "horolite.core"),
-    ("horolite.failure", "horolite.transport"),
+    ("horolite.failure", "horolite.transport", "horolite.world"),
     ("horolite.coordination",),
     ("horolite.execution",),
     ("horolite.runtime",),
