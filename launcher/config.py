@@ -49,6 +49,8 @@ class LaunchConfig:
     ssh_args: str = ""  # options for the ssh that starts remote ranks (-p, -i)
     binding_args: Tuple[str, ...] = ()
     timestamp_output: bool = False
+    gloo: bool = False  # start the ranks without mpirun (gloo.py)
+    gloo_timeout: float = 30.0  # --gloo-timeout-seconds: the ranks' rendezvous timeout
 
 
 def tunable_env(args: argparse.Namespace) -> Tuple[Tuple[str, str], ...]:
@@ -111,6 +113,10 @@ def config_from_args(args: argparse.Namespace,
     if nics and not any(prefix + "TCP_IFACE" in env for prefix in settings.PREFIXES):
         env["HOROLITE_TCP_IFACE"] = nics.split(",")[0]  # horolite's own connections too
     start_timeout = flags.launcher_value("START_TIMEOUT", args.start_timeout, environ, 30.0)
+    gloo = bool(getattr(args, "gloo", False))
+    if gloo:
+        _check_gloo(args, mpi_args, binding_args, ranks)
+    gloo_timeout = getattr(args, "gloo_timeout_seconds", None)
     return LaunchConfig(command=tuple(command), num_proc=num_proc, hosts=host_list,
                         env=tuple(env.items()), mpi_args=mpi_args,
                         network_interface=nics, output_filename=output,
@@ -120,7 +126,21 @@ def config_from_args(args: argparse.Namespace,
                         timestamp_output=args.prefix_output_with_timestamp,
                         start=ranks.start if ranks else SSH,
                         start_help=ranks.help if ranks else "",
-                        mpirun_env=ranks.mpirun_env if ranks else ())
+                        mpirun_env=ranks.mpirun_env if ranks else (), gloo=gloo,
+                        gloo_timeout=30.0 if gloo_timeout is None else gloo_timeout)
+
+
+def _check_gloo(args, mpi_args, binding_args, ranks) -> None:
+    """ValueError for what --gloo cannot honour: it starts the ranks without mpirun."""
+    if getattr(args, "mpi", False):
+        raise ValueError("--gloo and --mpi ask for two ways to start the ranks: give one")
+    for flag, given in (("--mpi-args", mpi_args), ("--binding-args", binding_args)):
+        if given:
+            raise ValueError(f"{flag} is for mpirun, and --gloo starts the ranks without it "
+                             f"(drop {flag}, or --gloo)")
+    if ranks is not None and ranks.start != SSH:
+        raise ValueError(f"--gloo starts remote ranks with ssh, not within {ranks.origin}: "
+                         "name the hosts with -H/--hostfile, or start the ranks with srun")
 
 
 def _split(flag: str, text: str) -> Tuple[str, ...]:
@@ -130,9 +150,11 @@ def _split(flag: str, text: str) -> Tuple[str, ...]:
         raise ValueError(f"bad {flag} {text!r}: {e}") from None
 
 
-def wrapper_argv(config: LaunchConfig, python: Optional[str] = None) -> Tuple[str, ...]:
-    """What every rank runs in front of the command: the rank wrapper."""
-    argv = [python or sys.executable, RANKWRAP, "--hold", f"{HOLD_SECONDS:g}"]
+def wrapper_argv(config: LaunchConfig, python: Optional[str] = None,
+                 hold: float = HOLD_SECONDS) -> Tuple[str, ...]:
+    """What every rank runs in front of the command: the rank wrapper. `hold`: 0 where
+    no mpirun ends the job as the first wrapper fails (--gloo)."""
+    argv = [python or sys.executable, RANKWRAP] + (["--hold", f"{hold:g}"] if hold else [])
     if config.output_filename:
         argv += ["--output-dir", config.output_filename]
     if config.timestamp_output:

@@ -3,8 +3,7 @@
 Every tunable flag comes from ``horolite.core.settings``: a flag sets its
 ``HOROLITE_*`` variable on every rank, a ``--config-file`` (horovodrun's YAML
 keys) fills what the command line left unset. horovodrun flags that cannot
-mean anything over one ``mpirun`` (Gloo, jsrun) stop the
-launch at once with the reason.
+mean anything here (jsrun) stop the launch at once with the reason.
 """
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ __all__ = ["add_setting_flags", "add_refused_flags", "setting_env", "apply_confi
 
 # horovodrun flag -> (nargs, why horolite-run cannot do it).
 REFUSED = {
-    ("--gloo",): (0, "horolite has no Gloo controller: it always runs over MPI (drop --gloo)"),
-    ("--jsrun",): (0, "horolite launches through mpirun only, not IBM's jsrun"),
-    ("--gloo-timeout-seconds",): (1, "horolite has no Gloo controller: it always runs over MPI"),
+    ("--jsrun",): (0, "horolite launches through mpirun or by itself (--gloo), not IBM's jsrun"),
 }
 
 
@@ -161,16 +158,24 @@ def apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser)
     specs = {name: (kind, unit) for name, kind, _, _, unit, _, _ in _flag_specs()}
     for section, entries in document.items():
         if section == "controller":
-            if str(entries).lower() != "mpi":
+            if str(entries).lower() not in ("mpi", "gloo"):
                 parser.error(f"--config-file {path}: controller {entries!r} is not supported: "
-                             "horolite always runs over MPI")
+                             "horolite runs over MPI, or without it with gloo")
+            if str(entries).lower() == "gloo" and not getattr(args, "mpi", False):
+                args.gloo = True  # --mpi on the command line wins
             continue
         if not isinstance(entries, dict):
             parser.error(f"--config-file {path}: section {section!r} must be a mapping")
         for key, value in entries.items():
             if (section, key) == ("library_options", "gloo_timeout_seconds"):
-                parser.error(f"--config-file {path}: library_options.gloo_timeout_seconds is not "
-                             "supported: horolite has no Gloo controller")
+                if getattr(args, "gloo_timeout_seconds", None) is None and value is not None:
+                    try:
+                        args.gloo_timeout_seconds = non_negative(float)(value)
+                        if not args.gloo_timeout_seconds:
+                            raise argparse.ArgumentTypeError("must be above 0")
+                    except argparse.ArgumentTypeError as e:
+                        parser.error(f"--config-file {path}: {section}.{key}={value!r}: {e}")
+                continue
             if (section, key) not in keys:
                 parser.error(f"--config-file {path}: unknown key {section}.{key} "
                              "(horovodrun's keys are listed in docs/launcher.md)")

@@ -1,8 +1,9 @@
-"""``horolite-run``: start a horolite job over a real ``mpirun``.
+"""``horolite-run``: start a horolite job over a real ``mpirun``, or without it (--gloo).
 
 get_args_parser() -> LaunchConfig (frozen, config.py) -> build_mpirun_command() (pure,
 in mpi.py) -> main(args=None). Tests call ``main([...])`` in-process. An elastic job
-goes to elastic.py, which builds on config.py too and never imports this module.
+goes to elastic.py, which builds on config.py too and never imports this module; a
+--gloo job to gloo.py, which starts the ranks itself.
 """
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import argparse
 import os
 import shlex
 import sys
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-from . import elastic_flags, flags
+from . import elastic_flags, flags, gloo
 from . import hosts as hostlib
 from . import mpi, ssh_check
 from .check_build import check_build
@@ -52,7 +53,8 @@ def get_args_parser(environ: Optional[Mapping[str, str]] = None) -> argparse.Arg
     `environ` is not read here (defaults from the environment apply in config_from_args)."""
     p = argparse.ArgumentParser(
         prog="horolite-run", allow_abbrev=False,
-        description="Launch a horolite job: every rank runs COMMAND under mpirun (MPICH or Open MPI).",
+        description="Launch a horolite job: every rank runs COMMAND under mpirun (MPICH or "
+                    "Open MPI), or, with --gloo, started by horolite-run itself.",
         epilog="Example: horolite-run -np 4 python train.py")
     p.add_argument("-v", "--version", action=_VersionAction)
     p.add_argument("-cb", "--check-build", action="store_true",
@@ -100,6 +102,7 @@ def get_args_parser(environ: Optional[Mapping[str, str]] = None) -> argparse.Arg
     g.add_argument("--tcp", action="store_true",
                    help="NCCL over TCP only: NCCL_IB_DISABLE=1 on every rank")
 
+    gloo.add_gloo_flags(p)
     elastic_flags.add_elastic_flags(p)
     flags.add_setting_flags(p)
     flags.add_refused_flags(p)
@@ -125,6 +128,9 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     parsed = parse_args(args)
     if parsed.check_build:
         return check_build()
+    if elastic_flags.is_elastic(parsed) and parsed.gloo:
+        return _error("--gloo does not run elastic jobs (--min-np, --host-discovery-script) "
+                      "yet: drop --gloo to run them over mpirun")
     if elastic_flags.is_elastic(parsed):
         # Imported here: elastic.py reaches horolite.elastic and so mpi4py's MPI, which
         # fails to load where no MPI library is installed; a plain start must get as far
@@ -138,11 +144,26 @@ def main(args: Optional[Sequence[str]] = None) -> int:
         if config.start == SSH:  # Slurm's node names are for srun; mpirun never resolves them
             hostlib.check_resolvable(config.hosts)
             ssh_check.check_reachable(config)
-        install = mpi.find_mpi()
+        if config.gloo:
+            job = gloo.GlooJob(config)
+        else:
+            install = mpi.find_mpi()
     except (ValueError, mpi.NoMPIError) as e:
         return _error(str(e))
     if config.output_filename:
         os.makedirs(config.output_filename, exist_ok=True)
+    if config.gloo:
+        supervisor, result = job.run()
+    else:
+        supervisor, result = _run_mpirun(config, install)
+    if "job" in supervisor.stragglers:  # which ranks held the job back, and by how much
+        print(f"horolite-run: {supervisor.stragglers['job']}", file=sys.stderr, flush=True)
+    if result.message:
+        print(f"horolite-run: {result.message}", file=sys.stderr, flush=True)
+    return result.exit_code
+
+
+def _run_mpirun(config: LaunchConfig, install: mpi.MpiInstall):
     argv = mpi.build_mpirun_command(config, install.implementation, install.path,
                                     as_root=(os.geteuid() == 0), wrapper=wrapper_argv(config))
     if config.verbose:
@@ -152,10 +173,4 @@ def main(args: Optional[Sequence[str]] = None) -> int:
                             hostlib.rank_hosts(config.hosts, config.num_proc),
                             start_timeout=config.start_timeout, start_help=config.start_help,
                             env=dict(os.environ, **dict(config.mpirun_env)))
-    result = supervisor.run()
-    if "job" in supervisor.stragglers:  # which ranks held the job back, and by how much
-        print(f"horolite-run: {supervisor.stragglers['job']}", file=sys.stderr, flush=True)
-    if result.message:
-        print(f"horolite-run: {result.message}", file=sys.stderr, flush=True)
-    return result.exit_code
-
+    return supervisor, supervisor.run()

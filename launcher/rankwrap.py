@@ -19,9 +19,14 @@ same Python exists (remote hosts included) without importing horolite.
   ends with an error, and that would cut off the report of a rank still on its way (a rank
   killed outright on a busy host, whose wrapper had not run yet). horolite-run ends the job
   itself once every rank has reported (launcher/supervise.py).
+- With ``--env-stdin`` (``horolite-run --gloo`` over ssh) the first line on stdin is the
+  rank's environment and working directory as JSON, so nothing secret is on a command line;
+  later lines name a signal to forward (``SIGTERM``), and the end of stdin (horolite-run or
+  its ssh gone) is a SIGTERM. The command then gets no stdin.
 - The wrapper exits with the command's exit code (128+N for signal N).
 """
 import argparse
+import json
 import os
 import selectors
 import signal
@@ -38,11 +43,11 @@ def rank_and_size(environ=None):
     """This process's rank and world size as set by MPICH hydra or Open MPI (PRRTE)."""
     environ = os.environ if environ is None else environ
     rank = size = None
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "HOROLITE_RANK"):
         if environ.get(name, "").isdigit():
             rank = int(environ[name])
             break
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "HOROLITE_SIZE"):
         if environ.get(name, "").isdigit():
             size = int(environ[name])
             break
@@ -106,6 +111,34 @@ def _write(fd, data):
         data = data[n:]
 
 
+class _Control:
+    """horolite-run's line to a wrapper it started over ssh (--env-stdin): ssh's stdin."""
+
+    def __init__(self, fd=0):
+        self.fd = fd
+        self.buffer = b""
+
+    def first_line(self):
+        """The rank's {"env": {...}, "cwd": ...}, sent before anything else."""
+        while b"\n" not in self.buffer:
+            data = os.read(self.fd, 65536)
+            if not data:
+                raise SystemExit("rankwrap: --env-stdin: stdin ended before the environment")
+            self.buffer += data
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line)
+
+    def signals(self, data):
+        """The signals asked for by the complete lines so far; None once stdin has ended."""
+        if not data and data is not None:
+            return None
+        self.buffer += data or b""
+        *lines, self.buffer = self.buffer.split(b"\n")
+        names = [line.decode(errors="replace").strip() for line in lines if line.strip()]
+        return [getattr(signal, n, signal.SIGTERM) if n in ("SIGINT", "SIGTERM", "SIGHUP")
+                else signal.SIGTERM for n in names]
+
+
 def _marker(kind, **fields):
     text = " ".join(f"{k}={v}" for k, v in fields.items())
     _write(2, f"{MARKER} {kind} {text}\n".encode())
@@ -120,11 +153,22 @@ def main(argv=None):
     parser.add_argument("--hold", type=float, default=0.0,
                         help="after a failed command, seconds to stay up (until a signal) "
                              "before ending")
+    parser.add_argument("--env-stdin", action="store_true",
+                        help="read the rank's environment as one JSON line on stdin, then "
+                             "signals to forward (horolite-run --gloo over ssh)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given")
+    control = _Control() if args.env_stdin else None
+    if control is not None:
+        given = control.first_line()
+        os.environ.update(given.get("env", {}))
+        try:
+            os.chdir(given.get("cwd") or ".")
+        except OSError:
+            pass  # as mpirun: a directory this host lacks leaves the login directory
     rank, size = rank_and_size()
     host = socket.gethostname()
     copies = {}
@@ -151,7 +195,8 @@ def main(argv=None):
 
     try:
         # close_fds=False: MPICH hands each rank an inherited PMI socket (PMI_FD).
-        child = subprocess.Popen(command, stdin=None, stdout=subprocess.PIPE,
+        child = subprocess.Popen(command, stdout=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL if control is not None else None,
                                  stderr=subprocess.PIPE, close_fds=False, env=env,
                                  preexec_fn=_child_setup)
     except OSError as e:
@@ -175,6 +220,10 @@ def main(argv=None):
     selector = selectors.DefaultSelector()
     for fd in streams:
         selector.register(fd, selectors.EVENT_READ)
+    if control is not None:
+        selector.register(control.fd, selectors.EVENT_READ)
+        for signum in control.signals(None):  # lines that came with the environment
+            on_signal(signum, None)
     exited_at = None
     # When the command ended, by this host's clock: its pipes closing is the first sign.
     # The launcher orders failures on different hosts by it.
@@ -182,7 +231,14 @@ def main(argv=None):
     while streams:
         for key, _ in selector.select(timeout=0.2):
             data = os.read(key.fd, 65536)
-            if data:
+            if control is not None and key.fd == control.fd:
+                asked = control.signals(data)
+                if asked is None:  # horolite-run (or the ssh to it) is gone: end the rank
+                    selector.unregister(key.fd)
+                    asked = [signal.SIGTERM]
+                for signum in asked:
+                    on_signal(signum, None)
+            elif data:
                 streams[key.fd].feed(data)
             else:
                 selector.unregister(key.fd)

@@ -132,6 +132,6 @@ def remote_command(mpirun_argv: Sequence[str], host: str) -> List[str]:
         if a.startswith("HYDRA_LAUNCHER_EXTRA_ARGS="):
             extra = a.split("=", 1)[1].split()
     for a, b in zip(argv, argv[1:]):
-        if a == "plm_ssh_args":
+        if a in ("plm_ssh_args", "--ssh-args"):  # Open MPI's; --gloo's rank_spawn.py
             extra = b.split()
     return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", *extra, host]

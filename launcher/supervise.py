@@ -53,8 +53,10 @@ def _seconds(fields, name: str) -> float:
 class Supervisor(JobOutcome):
     def __init__(self, argv: Sequence[str], num_proc: int, rank_hosts: Sequence[str], *,
                  start_timeout: float, fail_grace: float = 2.0, kill_grace: float = 3.0,
-                 log=None, start_help: str = "", env=None, on_marker=None):
+                 log=None, start_help: str = "", env=None, on_marker=None,
+                 stdin: Optional[bytes] = None):
         self.argv = list(argv)
+        self.stdin = stdin  # written to mpirun's stdin, which then closes (None: ours)
         self.num_proc = num_proc
         self.rank_hosts = list(rank_hosts)
         self.start_timeout = start_timeout
@@ -124,10 +126,17 @@ class Supervisor(JobOutcome):
     def _run(self) -> JobResult:
         try:
             proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    preexec_fn=set_session_and_parent_death, env=self.env)
+                                    preexec_fn=set_session_and_parent_death, env=self.env,
+                                    stdin=None if self.stdin is None else subprocess.PIPE)
         except OSError as e:
             return JobResult(127, f"cannot run {self.argv[0]}: {e.strerror}")
         self.proc = proc
+        if self.stdin is not None:
+            try:
+                proc.stdin.write(self.stdin)
+                proc.stdin.close()
+            except OSError:
+                pass  # it ended at once: its exit status says the rest
         out = getattr(sys.stdout, "buffer", sys.stdout)
         err = getattr(sys.stderr, "buffer", sys.stderr)
         readers = [threading.Thread(target=self._relay, args=(proc.stdout, out, False),
