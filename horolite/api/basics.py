@@ -12,7 +12,8 @@ from ..core.mpi_library import chosen
 from ..failure import launch_check, process_hooks
 from ..failure.shm_files import remove_mapped
 from ..runtime import registry
-from ..world import open_world, sockets
+from ..world import identity_used, open_world, sockets
+from ..world.identity import log_once
 from . import process_sets as _process_sets
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -47,6 +48,8 @@ def init(comm=None, process_sets=None) -> None:
             launch_check.check(MPI.COMM_WORLD.Get_size(), os.environ, MPI.Get_library_version)
         comm = _communicator(MPI, comm)
         log.configure(cfg.log_level, comm.Get_rank(), comm.Get_size(), cfg.log_hide_time)
+        if identity_used() is not None:  # (a job without MPI: where its ranks came from)
+            log_once(identity_used(), _log)
         if comm.Get_rank() == 0:
             for variable, advice in settings.unhonoured():
                 _log.warning("%s is set but %s", variable, advice)

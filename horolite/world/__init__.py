@@ -14,15 +14,18 @@ windows; the list is sockets.py's __all__). Two implementations stand behind it:
 """
 from __future__ import annotations
 
-import logging
 import os
 from typing import Mapping, Optional
 
-__all__ = ["open_world", "gloo_timeout"]
-
-_log = logging.getLogger("horolite.world")
+__all__ = ["open_world", "gloo_timeout", "identity_used"]
 
 DEFAULT_TIMEOUT = 30.0  # horovodrun --gloo-timeout-seconds' default
+_identity = None  # where this rank learned who it is (jobs without MPI)
+
+
+def identity_used():
+    """The identity.Identity a job without MPI started from (None over MPI)."""
+    return _identity
 
 
 def gloo_timeout(environ: Mapping[str, str] = os.environ) -> float:
@@ -39,6 +42,21 @@ def gloo_timeout(environ: Mapping[str, str] = os.environ) -> float:
     return DEFAULT_TIMEOUT
 
 
+def _srun_gave_pmi(environ: Mapping[str, str]) -> bool:
+    return any(name in environ for name in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK"))
+
+
+def _mpi_of_size(size: int):
+    """mpi4py's MPI if it loads and its world has `size` ranks; else None (srun's PMI is
+    one the MPI library does not speak: every task alone, rank 0 of 1)."""
+    from ..core import mpi_library
+    try:
+        names = mpi_library.load_mpi()
+    except mpi_library.MPILibraryNotFound:
+        return None
+    return names if names.COMM_WORLD.Get_size() == size else None
+
+
 def open_world(environ: Mapping[str, str] = os.environ):
     """The names module the job runs on (mpi4py's MPI or sockets), its world started."""
     from ..core import mpi_library
@@ -46,6 +64,11 @@ def open_world(environ: Mapping[str, str] = os.environ):
     if mpi_library.chosen() is not None:
         return mpi_library.chosen()
     found: Optional[identity_mod.Identity] = identity_mod.from_environ(environ)
+    if found is not None and found.source.startswith("Slurm") and _srun_gave_pmi(environ):
+        names = _mpi_of_size(found.size)  # srun --mpi=pmi2: an MPI job, as always
+        if names is not None:
+            mpi_library.use(names)
+            return names
     if found is None:
         try:
             names = mpi_library.load_mpi()
@@ -57,11 +80,11 @@ def open_world(environ: Mapping[str, str] = os.environ):
         else:
             mpi_library.use(names)
             return names
+    global _identity
     from . import sockets
     settings_iface = environ.get("HOROLITE_TCP_IFACE", environ.get("HOROVOD_GLOO_IFACE", ""))
     sockets.open_world(found, identity_mod.job_key(environ) if found.size > 1 else None,
                        gloo_timeout(environ), settings_iface)
     mpi_library.use(sockets)
-    _log.info("rank %d of %d: started without MPI (who: %s)", found.rank, found.size,
-              found.source)
+    _identity = found
     return sockets

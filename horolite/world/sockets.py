@@ -33,7 +33,9 @@ _log = logging.getLogger("horolite.world")
 
 Exception = SocketWorldError  # noqa: A001 (MPI.Exception's name)
 THREAD_MULTIPLE = 3
+ERR_NO_MEM = 34  # (an error class a caller may raise Exception with)
 WORLD_CONTEXT = 1
+LINGER_SECONDS = 5.0  # how long a rank serving the rendezvous keeps it after its own timeout
 COMM_WORLD: Optional[Comm] = None
 _server = None  # the rendezvous this process serves (rank 0 of a scheduler-started job)
 
@@ -58,10 +60,15 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "") 
         COMM_WORLD = Comm(Mesh(0, 1, {}, lambda q: f"rank {q}"), [0], WORLD_CONTEXT)
         return COMM_WORLD
     if key is None:
-        raise ValueError(f"a {size}-rank job without MPI needs the job's key: set "
-                         "HOROLITE_JOB_KEY (hex, at least 16 bytes) or HOROLITE_JOB_KEY_FILE "
-                         "on every rank (horolite-run --gloo sets it)")
-    from .rendezvous import RendezvousClient, RendezvousServer
+        mpi = (" (or start it over MPI: srun --mpi=pmi2 with the mpich wheel)"
+               if identity.source.startswith("Slurm") else "")
+        raise ValueError(f"rank {rank} of {size}, started without MPI ({identity.source}), "
+                         "needs the job's key to meet the others: export HOROLITE_JOB_KEY "
+                         "(hex, at least 16 bytes, the same on every rank; e.g. "
+                         "`export HOROLITE_JOB_KEY=$(openssl rand -hex 32)`) or "
+                         f"HOROLITE_JOB_KEY_FILE before starting the ranks{mpi}; "
+                         "horolite-run --gloo sets it itself")
+    from .rendezvous import RendezvousClient, RendezvousServer, RendezvousTimeout
     if identity.serve and rank == 0:
         _server = RendezvousServer(key, "0.0.0.0", identity.rendezvous_port)
     mine = tcp_address.offered(iface)
@@ -75,8 +82,13 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "") 
             "host": identity.host_label or machine, "machine": machine, "port": port,
             "addresses": [list(a) for a in mine],
             "by_name": tcp_address.own_host_addresses()}))
-        found = client.wait_all("world", [str(q) for q in range(size)], timeout,
-                                describe=lambda k: f"rank {k}")
+        try:
+            found = client.wait_all("world", [str(q) for q in range(size)], timeout,
+                                    describe=lambda k: f"rank {k}")
+        except RendezvousTimeout:
+            if _server is not None:  # the others time out a moment later: let them hear
+                time.sleep(min(LINGER_SECONDS, timeout))  # whom they waited for, not that
+            raise  # the server went away
     finally:
         client.close()
     peers = [codec.decode(found[str(q)]) for q in range(size)]

@@ -96,6 +96,26 @@ SlurmdTimeout=30
 {node_lines}
 PartitionName=debug Nodes={nodelist} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
+HOSTS_MARK = "# horolite's Slurm test bed"
+
+
+def _name_nodes(nodes):
+    """The node names resolve, as on a cluster (they are this host's loopback here): a job
+    started by srun without MPI meets at its first node by name."""
+    with open("/etc/hosts", "a") as f:
+        f.write(f"127.0.0.1 {' '.join(nodes)} {HOSTS_MARK}\n")
+
+
+def _unname_nodes():
+    try:
+        with open("/etc/hosts") as f:
+            lines = f.readlines()
+        with open("/etc/hosts", "w") as f:
+            f.writelines(line for line in lines if HOSTS_MARK not in line)
+    except OSError:
+        pass
+
+
 NODE_LINE = "NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={cpus} State=UNKNOWN"
 
 
@@ -122,6 +142,7 @@ class SlurmCluster:
             socket.gethostbyname(self.host)
         except OSError:
             raise SlurmUnavailable(f"this host's name {self.host!r} does not resolve") from None
+        _name_nodes(self.nodes)
         for sub in ("state", "munge"):
             os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
         os.chmod(self.root, 0o755)
@@ -222,6 +243,7 @@ class SlurmCluster:
 
     # ---- stop ----
     def stop(self):
+        _unname_nodes()
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             self.cmd("scancel", "--full", "-u", str(os.geteuid()), check=False, timeout=20)
             deadline = time.monotonic() + 20

@@ -6,7 +6,8 @@ slurmd on this machine), so allocations come as ``hl-node[1-2]`` with
 node's slurmd.
 
 sbatch/salloc running horolite-run (ranks and hosts from the allocation), srun
-straight into the ranks (--mpi=pmi2), the singleton trap (srun without PMI),
+straight into the ranks (--mpi=pmi2), srun without MPI (--mpi=none: the job's key, or
+an error naming it),
 scancel of a running job, and a failing rank named in the job's output.
 """
 import os
@@ -119,18 +120,36 @@ def test_srun_starts_the_ranks_with_pmi2(slurm, jobdir, ntasks):
     assert {m["slurm"]["SLURM_PROCID"] for m in found.values()} == {str(r) for r in range(ntasks)}
 
 
-def test_srun_without_pmi_fails_at_init_instead_of_training_alone(slurm, jobdir):
-    """srun --mpi=none: every task is an MPI singleton; init() says so on every task."""
+def test_srun_without_pmi_and_without_a_key_names_both_ways_on_every_task(slurm, jobdir):
+    """srun --mpi=none: no MPI between the tasks, so they meet without it, which needs the
+    job's key; without one every task says how to give it, or to start MPI instead."""
     r = slurm.cmd("srun", "-n", "2", "--mpi=none", sys.executable, RANK_JOB, str(jobdir / "out"),
-                  cwd=str(jobdir), check=False, timeout=120)
+                  cwd=str(jobdir), check=False, timeout=120,
+                  env=dict(slurm.env, HOROLITE_JOB_KEY=""))
     assert r.returncode != 0
-    errors = [line for line in r.stderr.splitlines()
-              if line.startswith("horolite.failure.launch_check.LaunchMismatchError: ")]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("ValueError: rank ")]
     assert len(errors) == 2, r.stderr
     for task in (0, 1):
-        assert any(f"SLURM_STEP_NUM_TASKS=2; this is SLURM_PROCID={task})" in e for e in errors)
-    assert all("srun --mpi=pmi2" in e for e in errors)
+        assert any(e.startswith(f"ValueError: rank {task} of 2, started without MPI (Slurm")
+                   for e in errors), errors
+    assert all("HOROLITE_JOB_KEY" in e and "srun --mpi=pmi2" in e for e in errors)
     assert not marks(jobdir / "out")  # no rank got as far as training
+
+
+@pytest.mark.parametrize("ntasks", [1, 2, 3, 4])
+def test_srun_without_mpi_starts_the_ranks_with_the_jobs_key(slurm, jobdir, ntasks):
+    """srun python train.py with no MPI between the tasks: horolite's own connections, the
+    rendezvous on the step's first node (served by rank 0)."""
+    r = slurm.cmd("srun", "-n", str(ntasks), "--ntasks-per-node=2", "--mpi=none", sys.executable,
+                  RANK_JOB, str(jobdir / "out"), cwd=str(jobdir), check=False, timeout=120,
+                  env=dict(slurm.env, HOROLITE_JOB_KEY=os.urandom(32).hex(),
+                           HOROLITE_LOG_LEVEL="INFO"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = check_ranks(jobdir / "out", ntasks)
+    check_nodes(found)
+    if ntasks > 1:
+        assert "identity from Slurm (SLURM_PROCID); rendezvous at hl-node1:" in r.stderr, \
+            r.stderr[-3000:]
 
 
 def test_scancel_of_a_running_job_leaves_no_process(slurm, jobdir):

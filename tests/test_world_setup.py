@@ -1,0 +1,194 @@
+"""Jobs started without mpirun by what a scheduler gives each process (torchrun's and
+PyTorchJob's variables, Kubeflow Trainer's PET_*, TF_CONFIG, a Kubernetes Indexed Job as
+docs/clusters.md writes it), and the rendezvous under strangers and a missing rank.
+
+Each job's ranks are plain processes started here with only those variables and the
+job's key; every rank checks its collectives against NumPy (world_rank/reduce_and_mark.py).
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpirun import ROOT
+
+RANK_SCRIPT = os.path.join(ROOT, "tests", "world_rank", "reduce_and_mark.py")
+KEY = os.urandom(32).hex()
+# A process of this suite may run under mpirun's variables: none may leak into the ranks.
+LEAKS = ("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPI_LOCAL", "SLURM_", "HOROLITE_", "HOROVOD_",
+         "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PET_", "TF_CONFIG")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LEAKS)}
+    env.update(PYTHONUNBUFFERED="1", HOROLITE_JOB_KEY=KEY, TF_CPP_MIN_LOG_LEVEL="3",
+               HOROLITE_LOG_LEVEL="INFO")
+    env.update(extra)
+    return env
+
+
+def start(envs, outdir):
+    return [subprocess.Popen([sys.executable, RANK_SCRIPT, str(outdir)], env=env, cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for env in envs]
+
+
+def finish(procs, timeout=120):
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            out += "\n(killed: timed out)"
+        outs.append(out)
+    return outs
+
+
+def marks(outdir, n):
+    return [(outdir / f"rank.{r}").read_text() if (outdir / f"rank.{r}").exists() else None
+            for r in range(n)]
+
+
+def torchrun_env(r, n, port, local=True):
+    return clean_env(RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port),
+                     **({"LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(n)} if local else {}))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_torchrun_variables_start_a_job(n, tmp_path):
+    port = free_port()
+    procs = start([torchrun_env(r, n, port) for r in range(n)], tmp_path)
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0] * n, "\n".join(outs)[-4000:]
+    assert marks(tmp_path, n) == [f"{r} {n} {r} {n} ok" for r in range(n)]
+    assert "identity from torchrun" in outs[0], outs[0][-2000:]  # (said once, at INFO)
+
+
+def test_pytorchjob_one_rank_per_pod(tmp_path):
+    # PyTorchJob gives each pod RANK, WORLD_SIZE, MASTER_ADDR/PORT and no LOCAL_*: one rank
+    # per pod, each its own host as far as it knows.
+    port = free_port()
+    procs = start([torchrun_env(r, 3, port, local=False) for r in range(3)], tmp_path)
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0] * 3, "\n".join(outs)[-4000:]
+    assert [m.split()[:2] for m in marks(tmp_path, 3)] == [[str(r), "3"] for r in range(3)]
+
+
+def test_kubeflow_trainer_pet_variables(tmp_path):
+    port = free_port()  # 2 nodes x 2 processes, as torchrun inside Trainer v2's pods sees it
+    envs = [clean_env(PET_NNODES="2", PET_NPROC_PER_NODE="2", PET_NODE_RANK=str(r // 2),
+                      LOCAL_RANK=str(r % 2), PET_MASTER_ADDR="127.0.0.1",
+                      PET_MASTER_PORT=str(port)) for r in range(4)]
+    procs = start(envs, tmp_path)
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0] * 4, "\n".join(outs)[-4000:]
+    assert [m.split()[:2] for m in marks(tmp_path, 4)] == [[str(r), "4"] for r in range(4)]
+
+
+def test_tf_config(tmp_path):
+    base = free_port()
+    cluster = {"chief": [f"127.0.0.1:{base}"], "worker": [f"127.0.0.1:{base + 7}"]}
+    envs = [clean_env(TF_CONFIG=json.dumps({"cluster": cluster, "task": task}))
+            for task in ({"type": "chief", "index": 0}, {"type": "worker", "index": 0})]
+    procs = start(envs, tmp_path)
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)[-4000:]
+    assert [m.split()[:2] for m in marks(tmp_path, 2)] == [["0", "2"], ["1", "2"]]
+
+
+def indexed_job_env(index):
+    """The environment docs/clusters.md's Indexed Job gives pod `index` (its manifest read
+    from the page): the completion index through the downward API, the key from its Secret."""
+    import yaml
+    text = open(os.path.join(ROOT, "docs", "clusters.md")).read()
+    section = text[text.index("## Kubernetes without MPI"):]
+    manifest = section[section.index("```yaml") + 7:section.index("```", section.index("```yaml") + 7)]
+    job = [d for d in yaml.safe_load_all(manifest) if d["kind"] == "Job"][0]
+    assert job["spec"]["completionMode"] == "Indexed"
+    env = {}
+    for var in job["spec"]["template"]["spec"]["containers"][0]["env"]:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif "fieldRef" in var["valueFrom"]:
+            path = var["valueFrom"]["fieldRef"]["fieldPath"]
+            assert path == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+            env[var["name"]] = str(index)
+        else:
+            assert "secretKeyRef" in var["valueFrom"]
+            env[var["name"]] = KEY
+    return env, job["spec"]["completions"]
+
+
+def test_kubernetes_indexed_job_as_the_docs_write_it(tmp_path):
+    # Here the pods are processes of this machine: pod 0's DNS name under the headless
+    # Service (MASTER_ADDR) is this host's loopback, and the port a free one.
+    port = free_port()
+    envs = []
+    for index in range(indexed_job_env(0)[1]):
+        env, _ = indexed_job_env(index)
+        assert env["MASTER_ADDR"] == "train-0.train"
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        envs.append(clean_env(**env))
+    n = len(envs)
+    procs = start(envs, tmp_path)
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0] * n, "\n".join(outs)[-4000:]
+    assert [m.split()[:2] for m in marks(tmp_path, n)] == [[str(r), str(n)] for r in range(n)]
+
+
+def test_a_rank_that_never_arrives_is_named_within_the_timeout(tmp_path):
+    port = free_port()
+    envs = [dict(torchrun_env(r, 3, port), HOROLITE_GLOO_TIMEOUT_SECONDS="4") for r in (0, 1)]
+    begun = time.monotonic()
+    procs = start(envs, tmp_path)
+    outs = finish(procs, timeout=90)
+    took = time.monotonic() - begun
+    assert all(p.returncode != 0 for p in procs)
+    for out in outs:
+        assert "rank 2" in out and "4 s" in out, out[-3000:]
+    assert took < 60, took  # 4 s after each rank's start (its imports are the rest)
+
+
+def test_strangers_at_the_rendezvous_do_not_stop_the_job(tmp_path):
+    from horolite.world.rendezvous import RendezvousClient, RendezvousError, RendezvousServer
+    key = bytes.fromhex(KEY)
+    with RendezvousServer(key, "127.0.0.1", 0) as server:
+        silent = socket.create_connection(("127.0.0.1", server.port))
+        garbage = socket.create_connection(("127.0.0.1", server.port))
+        garbage.sendall(os.urandom(4096))
+        with pytest.raises(RendezvousError):
+            RendezvousClient("127.0.0.1", server.port, os.urandom(32), timeout=5)
+        envs = [clean_env(HOROLITE_RANK=str(r), HOROLITE_SIZE="3", HOROLITE_LOCAL_RANK=str(r),
+                          HOROLITE_LOCAL_SIZE="3", HOROLITE_RENDEZVOUS_ADDR="127.0.0.1",
+                          HOROLITE_RENDEZVOUS_PORT=str(server.port)) for r in range(3)]
+        procs = start(envs, tmp_path)
+        outs = finish(procs)
+        silent.close()
+        garbage.close()
+    assert [p.returncode for p in procs] == [0] * 3, "\n".join(outs)[-4000:]
+    assert marks(tmp_path, 3) == [f"{r} 3 {r} 3 ok" for r in range(3)]
+
+
+def test_a_wrong_key_fails_init_with_the_reason(tmp_path):
+    port = free_port()
+    envs = [torchrun_env(0, 2, port), dict(torchrun_env(1, 2, port),
+                                           HOROLITE_JOB_KEY=os.urandom(32).hex())]
+    for env in envs:
+        env["HOROLITE_GLOO_TIMEOUT_SECONDS"] = "5"
+    procs = start(envs, tmp_path)
+    outs = finish(procs, timeout=90)
+    assert all(p.returncode != 0 for p in procs)
+    assert "key" in outs[1], outs[1][-3000:]
