@@ -1,5 +1,8 @@
 """Run a pytest file under a real `mpirun -np N` and report every rank's result.
 
+world="gloo" starts the ranks with `horolite-run --gloo` instead: no MPI, horolite's
+own connections (horolite/world/).
+
 Used by the matrix drivers (tests/test_matrix_*.py). Each rank runs the same
 pytest file; the run fails if any rank fails. Ranks write their pytest output
 to their own file so a failure shows which rank said what.
@@ -86,6 +89,8 @@ EXPECTED_SKIPS = [
      lambda np_, env, m, why: np_ < 2),
     (r"a subset of two ranks needs a third outside it", lambda np_, env, m, why: np_ < 3),
     (r"^needs 4 ranks$", lambda np_, env, m, why: np_ < 4),
+    (r"^an mpi4py communicator needs a job MPI started$",
+     lambda np_, env, m, why: env.get("HOROLITE_TEST_WORLD") == "gloo"),
     (r"^Adasum needs a power-of-two number of ranks$", lambda np_, env, m, why: np_ & (np_ - 1) != 0),
     # process sets: this rank is outside the set (and a rank inside it must run the test:
     # NEEDS_A_RANK_THAT_RAN_IT)
@@ -161,16 +166,27 @@ def mpirun_command(np_: int) -> list:
     return cmd
 
 
+def gloo_command(np_: int) -> list:
+    """horolite-run --gloo's prefix: np_ ranks started without MPI."""
+    run = shutil.which("horolite-run", path=os.path.dirname(sys.executable) + os.pathsep
+                       + os.environ.get("PATH", ""))
+    if run is None:
+        raise RuntimeError("no horolite-run found: pip install -e . first")
+    return [run, "--gloo", "-np", str(np_)]
+
+
 def run_pytest_file(path: str, np_: int, env: dict | None = None, timeout: float = 600,
-                    pytest_args=()) -> None:
+                    pytest_args=(), world: str = "mpi") -> None:
     """Run `pytest path` on np_ ranks; raise AssertionError with every rank's log on failure."""
     outdir = tempfile.mkdtemp(prefix=f"horolite-np{np_}-")
     child_env = dict(os.environ)
     child_env.update(env or {})
     child_env["HOROLITE_TEST_OUTDIR"] = outdir
+    child_env["HOROLITE_TEST_WORLD"] = world
     child_env.setdefault("PYTHONUNBUFFERED", "1")
-    cmd = mpirun_command(np_) + [
+    cmd = (gloo_command(np_) if world == "gloo" else mpirun_command(np_)) + [
         sys.executable, os.path.join(ROOT, "tests", "rank_pytest.py"), path, *pytest_args]
+    how = "horolite-run --gloo" if world == "gloo" else "mpirun"
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=child_env, capture_output=True, text=True,
                               timeout=timeout)
@@ -186,9 +202,9 @@ def run_pytest_file(path: str, np_: int, env: dict | None = None, timeout: float
         logs.append(f"----- rank {r} of {np_} -----\n{text[-6000:]}")
     if code != 0:
         raise AssertionError(
-            f"{os.path.relpath(path, ROOT)} failed under mpirun -np {np_} (exit {code})\n"
+            f"{os.path.relpath(path, ROOT)} failed under {how} -np {np_} (exit {code})\n"
             f"{out[-4000:]}\n" + "\n".join(logs))
     problems = _collect(outdir, np_, child_env)
     if problems:
-        raise AssertionError(f"{os.path.relpath(path, ROOT)} under mpirun -np {np_}:\n{problems}")
+        raise AssertionError(f"{os.path.relpath(path, ROOT)} under {how} -np {np_}:\n{problems}")
     shutil.rmtree(outdir, ignore_errors=True)

@@ -3,21 +3,21 @@ the machine's name, or the pretend hosts of HOROLITE_TEST_HOST_IDENTITY ("2+1+1"
 ranks 0-1 on one host, 2 and 3 on one each), never from horolite's own answer."""
 import os
 
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
-COMM = MPI.COMM_WORLD
 VARIABLE = "HOROLITE_TEST_HOST_IDENTITY"
 
 
 def layout():
     """The host of every job rank, in rank order (a list of labels)."""
     raw = os.environ.get(VARIABLE, "")
+    comm = MPI.COMM_WORLD
     if not raw:
-        return COMM.allgather(MPI.Get_processor_name())
+        return comm.allgather(MPI.Get_processor_name())
     labels = []
     for host, count in enumerate(raw.split("+")):
         labels += [f"pretend{host}"] * int(count)
-    assert len(labels) == COMM.Get_size(), (raw, COMM.Get_size())
+    assert len(labels) == comm.Get_size(), (raw, comm.Get_size())
     return labels
 
 

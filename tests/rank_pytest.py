@@ -30,7 +30,8 @@ class Outcomes:
 
 
 def main():
-    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK",
+                                                      os.environ.get("HOROLITE_RANK", "0"))))
     outdir = os.environ.get("HOROLITE_TEST_OUTDIR") or tempfile.gettempdir()
     log = open(os.path.join(outdir, f"rank{rank}.log"), "w", buffering=1)
     sys.stdout = sys.stderr = log

@@ -257,3 +257,16 @@ def test_control_plane(tmp_path, monkeypatch):
     for key in ("or_tree_s", "or_ring_s", "negotiate_tree_s", "negotiate_ring_s",
                 "allreduce_4KiB_tree_s"):
         assert doc["results"][key] > 0, key
+
+
+def test_world_compare_prints_every_ratio():
+    # One short round per world: jobs under mpirun and under horolite-run --gloo, each row
+    # with both worlds' numbers, a ratio and its target.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "world_compare.py"),
+                           "--tiny"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 4, proc.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[4]) > 0 and cells[5].endswith(("met", "missed")), row

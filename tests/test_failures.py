@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from mpirun import ROOT, mpirun_command
+from mpirun import ROOT, gloo_command, mpirun_command
 
 SCENARIO = os.path.join(ROOT, "tests", "failure_cases", "scenario.py")
 HOST = socket.gethostname()
@@ -24,10 +24,13 @@ def raise_line() -> int:
         return next(i for i, line in enumerate(f, 1) if 'raise RuntimeError("bad batch")' in line)
 
 
-def run_job(case, np_, outdir, env=None, launcher=False, timeout=90):
+def run_job(case, np_, outdir, env=None, launcher=False, timeout=90, world="mpi"):
+    """world="gloo": started by horolite-run --gloo (no MPI)."""
     os.makedirs(outdir, exist_ok=True)
     child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    if launcher:
+    if world == "gloo":
+        cmd = gloo_command(np_)
+    elif launcher:
         cmd = [sys.executable, "-m", "horolite.launcher", "-np", str(np_)]
     else:
         cmd = mpirun_command(np_)

@@ -33,6 +33,8 @@ def misbehave(step):
         sys.exit(3)
     if CASE == "exit0" and step == 3:
         sys.exit(0)
+    if CASE == "kill9" and step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
     if CASE == "sigterm" and step == 3:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)

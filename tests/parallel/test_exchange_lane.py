@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 import horolite as hvd
 from horolite.errors import TensorMismatchError

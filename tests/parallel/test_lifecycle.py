@@ -94,9 +94,11 @@ def test_timeline_starts_and_stops_at_run_time():
 
 
 def test_capabilities_say_what_this_install_has():
-    assert hvd.mpi_built() and hvd.mpi_enabled()
-    assert not (hvd.gloo_built() or hvd.gloo_enabled() or hvd.rocm_built() or hvd.ddl_built()
-                or hvd.ccl_built())
+    # horolite-run --gloo sets HOROLITE_RANK: that job runs without MPI (Horovod's Gloo mode)
+    without_mpi = "HOROLITE_RANK" in os.environ
+    assert hvd.mpi_built() and hvd.gloo_built()
+    assert hvd.mpi_enabled() != without_mpi and hvd.gloo_enabled() == without_mpi
+    assert not (hvd.rocm_built() or hvd.ddl_built() or hvd.ccl_built())
     try:
         import cupy  # noqa: F401
         has_cupy = True
@@ -175,7 +177,7 @@ def test_peer_connections_are_watched_only_across_hosts():
     # links.py guards sends to peers on other hosts; ranks on one host share memory,
     # and watching costs every thread that sends a look at this process's sockets.
     from horolite.core.hosts import host_name
-    from mpi4py import MPI
+    from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
     hosts = set(MPI.COMM_WORLD.allgather(host_name()))
     rt = hvd.api.basics.runtime()
     assert (rt.links is not None) == (len(hosts) > 1), hosts

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import horolite as hvd
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 hvd.init()
 COMM = MPI.COMM_WORLD

@@ -9,7 +9,7 @@ the (real or pretend) host layout allows them. Results are compared with NumPy.
 """
 import numpy as np
 import pytest
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 from horolite.transport import ring as ring_module
 from horolite.core.ops import ReduceOp

@@ -28,7 +28,7 @@ import horolite as hvd
 from horolite.execution.carried import CARRY_READ_BYTES
 from horolite.runtime import registry
 from horolite.transport.control_board import CARRY_TABLE_BYTES, MAILBOX_BYTES
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 from float16_sums import rounding_sums
 

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 from horolite.core.ops import REDUCIBLE_DTYPES, ReduceOp, dtype_from_name
 from horolite.failure.links import LinkLost

@@ -4,7 +4,7 @@ holds the same weights."""
 import keras
 import numpy as np
 import tensorflow as tf
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 PEER_FAILED = (r"rank 1 will never send it: its previous run of this step failed there "
                r"after \d+ of \d+ buckets had left")

@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 import horolite.tensorflow as hvd
 import horolite.tensorflow.keras as hvd_keras

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 import horolite.tensorflow as hvd
 import horolite.tensorflow.keras as hvd_keras
@@ -32,7 +32,7 @@ from bucket_failures import PEER_FAILED, FailOnFlag, same_on_every_rank
 # left alone, ran every bucket's enqueue at the end of backprop).
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
-_n = MPI.COMM_WORLD.Get_size()
+_n = int(os.environ.get("HOROLITE_SIZE") or MPI.COMM_WORLD.Get_size())  # (gloo: before init)
 PAIR = hvd.ProcessSet([0, 1]) if _n > 2 else None  # a set smaller than the job
 hvd.init(process_sets=[PAIR] if PAIR is not None else None)
 COMM = MPI.COMM_WORLD

@@ -16,7 +16,7 @@ import tensorflow as tf
 import horolite
 import horolite.tensorflow as hvd
 from horolite.tensorflow import native_ops
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 from tf_modes import MODES, NATIVE, run, value
 
 hvd.init()

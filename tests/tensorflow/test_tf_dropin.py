@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import horolite.tensorflow as hvd
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 from tf_modes import MODES, NATIVE, run, value
 from float16_sums import rounding_sums
 

@@ -34,7 +34,7 @@ import horolite as hl
 import horolite.tensorflow as hvd
 from horolite.tensorflow import native_ops
 from horolite.tensorflow.intake import intake_for
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 from tf_modes import NATIVE, value
 
 hvd.init()

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import horolite.tensorflow as hvd
 from tf_modes import NATIVE
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 hvd.init()
 COMM = MPI.COMM_WORLD  # mpi4py's own collectives: "equal on every rank" without horolite

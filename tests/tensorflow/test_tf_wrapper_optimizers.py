@@ -17,7 +17,7 @@ import tensorflow as tf
 
 import horolite.tensorflow as hvd
 import horolite.tensorflow.keras as hvdk
-from mpi4py import MPI
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 hvd.init()
 COMM = MPI.COMM_WORLD  # mpi4py's own allgather compares ranks, not horolite's

@@ -1,0 +1,101 @@
+"""The job world without MPI (horolite-run --gloo) against the MPI world (horolite-run over
+mpirun), in one run on one host: init()'s set-up time, a 4 KiB and a 64 MiB allreduce.
+
+    python bench/world_compare.py [--np 2 3 4] [--rounds 3]
+
+Each round starts one job in each world per rank count, alternating, and each job's
+ranks time the same allreduces (the median of many, the slowest rank's) and when init()
+returned after the last rank's process started. It prints gloo/MPI ratios: targets are
+<= 1.0 for both allreduces (issue 59) and set-up within 1 s of the last rank's start
+(its import of horolite included; the last rank's call to init() to its return beside it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BORN = time.time()  # (this process's start, as near as Python allows)
+
+MiB = 1 << 20
+
+
+def rank_side(outdir: str, iters: int) -> None:
+    import numpy as np
+    import horolite as hvd
+    called = time.time()
+    hvd.init()
+    ready = time.time()
+    r = hvd.rank()
+    out = {"born": BORN, "called": called, "ready": ready}
+    for label, nbytes, n in (("4KiB", 4096, iters * 10), ("64MiB", 64 * MiB, max(3, iters // 4))):
+        x = np.ones(nbytes // 4, dtype=np.float32)
+        for _ in range(3):
+            hvd.allreduce(x, name=label, op=hvd.Sum)
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            hvd.allreduce(x, name=label, op=hvd.Sum)
+            times.append(time.perf_counter() - t)
+        out[label] = statistics.median(times)
+    with open(os.path.join(outdir, f"rank.{r}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def one_job(world: str, np_: int, iters: int) -> dict:
+    run = shutil.which("horolite-run", path=os.path.dirname(sys.executable) + os.pathsep
+                       + os.environ.get("PATH", ""))
+    outdir = tempfile.mkdtemp(prefix="world-compare-")
+    cmd = [run] + (["--gloo"] if world == "gloo" else []) + [
+        "-np", str(np_), sys.executable, os.path.abspath(__file__), "--rank-side", outdir,
+        "--iters", str(iters)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    ranks = [json.load(open(os.path.join(outdir, f"rank.{q}.json"))) for q in range(np_)]
+    shutil.rmtree(outdir, ignore_errors=True)
+    return {"setup": max(x["ready"] for x in ranks) - max(x["born"] for x in ranks),
+            "init": max(x["ready"] for x in ranks) - max(x["called"] for x in ranks),
+            "4KiB": max(x["4KiB"] for x in ranks), "64MiB": max(x["64MiB"] for x in ranks)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--np", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--rank-side", metavar="OUTDIR", help=argparse.SUPPRESS)
+    p.add_argument("--tiny", action="store_true", help="one short round (the suite's smoke run)")
+    args = p.parse_args(argv)
+    if args.rank_side:
+        rank_side(args.rank_side, args.iters)
+        return
+    if args.tiny:
+        args.np, args.rounds, args.iters = [2], 1, 8
+    seen = {(w, n): [] for w in ("mpi", "gloo") for n in args.np}
+    for _ in range(args.rounds):
+        for n in args.np:
+            for world in ("mpi", "gloo"):
+                seen[world, n].append(one_job(world, n, args.iters))
+    print("| np | measure | MPI world | without MPI | ratio | target |")
+    print("|---|---|---|---|---|---|")
+    for n in args.np:
+        for key, unit, scale in (("4KiB", "ms", 1e3), ("64MiB", "ms", 1e3), ("setup", "s", 1),
+                                 ("init", "s", 1)):
+            mpi = statistics.median(x[key] for x in seen["mpi", n])
+            gloo = statistics.median(x[key] for x in seen["gloo", n])
+            target = "<= 1 s" if key == "setup" else "ratio <= 1.0"
+            met = gloo <= 1.0 if key == "setup" else gloo <= mpi
+            label = {"setup": "init() returns, after the last rank's start",
+                     "init": "init() returns, after the last rank's call"}.get(key, key)
+            print(f"| {n} | {label} | "
+                  f"{mpi * scale:.3f} {unit} | {gloo * scale:.3f} {unit} | {gloo / mpi:.2f} | "
+                  f"{target}: {'met' if met else 'missed'} |")
+
+
+if __name__ == "__main__":
+    main()
