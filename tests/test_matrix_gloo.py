@@ -34,7 +34,7 @@ JOBS = [(PARALLEL, "test_collectives.py", n, {}) for n in RANK_COUNTS] + [
     (PARALLEL, "test_process_sets.py", 3, {}),
     (PARALLEL, "test_process_sets.py", 4, {"HOROLITE_SHARED_MEMORY": "0"}),
     (PARALLEL, "test_small_collectives.py", 3, {"HOROLITE_TEST_EXPECT_BOARD": "1"}),
-    (PARALLEL, "test_stragglers.py", 3, {}),
+    (PARALLEL, "test_stragglers.py", 3, {"HOROLITE_STRAGGLER_REPORT_SECONDS": "2"}),
     (PARALLEL, "test_exchange_lane.py", 3, {"HOROLITE_EXCHANGE_PIPELINE": "1",
                                             "HOROLITE_SHARED_MEMORY": "0"}),
     (PARALLEL, "test_quorum.py", 3, {}),

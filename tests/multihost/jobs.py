@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOROLITE_RUN = os.path.join(os.path.dirname(sys.executable), "horolite-run")
@@ -23,6 +24,15 @@ def stopped_at_exit(job):
         if job.poll() is None:
             job.kill()
             job.wait()
+
+
+def wait_for_file(job, path, seconds: float = 60) -> None:
+    """Until `path` exists (a rank wrote it once it got going); fails if `job` (a Popen)
+    ends or `seconds` pass first."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(path), f"{os.path.basename(path)} never came: the job did not start"
 
 
 def run_pytest_across(bed, hosts: str, path: str, env=None, pytest_args=(), timeout=300):

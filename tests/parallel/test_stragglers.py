@@ -20,7 +20,8 @@ from horolite.core.timeline import read_events
 from horolite.api.process_sets import runtime_for
 from horolite.runtime import registry
 
-SIZE_AT_INIT = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
+SIZE_AT_INIT = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE")
+                   or os.environ.get("HOROLITE_SIZE") or 1)
 SUBSET = [1, SIZE_AT_INIT - 1] if SIZE_AT_INIT >= 3 else None
 SUBSET_SET = hvd.ProcessSet(SUBSET) if SUBSET else None
 hvd.init(process_sets=[SUBSET_SET] if SUBSET_SET else None)

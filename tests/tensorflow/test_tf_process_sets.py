@@ -17,7 +17,8 @@ import tensorflow as tf
 import horolite.tensorflow as hvd
 import horolite.tensorflow.keras as hvdk
 
-_n = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+_n = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE",
+                                                 os.environ.get("HOROLITE_SIZE", "1"))))
 EVEN, ODD = hvd.ProcessSet(range(0, _n, 2)), hvd.ProcessSet(range(1, _n, 2))
 hvd.init(process_sets=[s for s in (EVEN, ODD) if s.ranks and s.ranks != list(range(_n))])
 R, N = hvd.rank(), hvd.size()
