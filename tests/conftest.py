@@ -17,8 +17,21 @@ if _tf_spec is not None and _tf_spec.origin is None:
     sys.modules["tensorflow"] = None
 
 
+_seconds_by_file = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _seconds_by_file[path] = _seconds_by_file.get(path, 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter):
-    """What ran inside the mpirun jobs: the driver's count above says only how many jobs."""
+    """Where the suite's time went, by file (what CI's time is made of), and what ran inside
+    the mpirun jobs: the driver's count above says only how many jobs."""
+    if _seconds_by_file:
+        terminalreporter.write_sep("=", "seconds by file (the slowest 25)")
+        for path, seconds in sorted(_seconds_by_file.items(), key=lambda kv: -kv[1])[:25]:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
     mpirun = sys.modules.get("mpirun")
     if mpirun is None or not mpirun.RESULTS["jobs"]:
         return
