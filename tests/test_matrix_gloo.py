@@ -5,7 +5,7 @@ The subset: every collective at np 1-4 through shared memory; the ring over the 
 own messages on one host; horolite's TCP connections across pretend hosts (the
 hierarchical and cross-host paths); the world's messages across pretend hosts (the
 host leaders' control exchange); errors, lifecycle, process sets, the caller's-thread
-small collectives, stragglers, the exchange lane and quorum; TensorFlow training and
+small collectives, stragglers, the exchange lane, quorum and Adasum; TensorFlow training and
 buckets. Every other feature's matrix runs under mpirun (the runtime above the world is
 the same code).
 """
@@ -38,6 +38,7 @@ JOBS = [(PARALLEL, "test_collectives.py", n, {}) for n in RANK_COUNTS] + [
     (PARALLEL, "test_exchange_lane.py", 3, {"HOROLITE_EXCHANGE_PIPELINE": "1",
                                             "HOROLITE_SHARED_MEMORY": "0"}),
     (PARALLEL, "test_quorum.py", 3, {}),
+    (PARALLEL, "test_adasum.py", 4, {}),
     (TENSORFLOW, "test_tf_training.py", 3, {"TF_CPP_MIN_LOG_LEVEL": "3"}),
     # across pretend hosts: buckets on the exchange lane, over horolite's TCP connections
     (TENSORFLOW, "test_tf_buckets.py", 2, {"HOROLITE_TEST_HOST_IDENTITY": "1+1",
