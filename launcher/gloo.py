@@ -177,11 +177,12 @@ class GlooJob:
         self.bind, self.addresses = rendezvous_addresses(used, config.network_interface)
 
     def run(self, log=None) -> Tuple[Supervisor, JobResult]:
-        from horolite.world.rendezvous import RendezvousServer
+        from horolite.world.rendezvous import HOSTS, RendezvousServer
         log = log or (lambda msg: print(f"horolite-run: {msg}", file=sys.stderr, flush=True))
         config = self.config
         key = secrets.token_bytes(32)
         server = RendezvousServer(key, host=self.bind, port=0)
+        server.put(*HOSTS, "\n".join(s.host for s in self.slots).encode())
         try:
             plan = build_plan(config, self.slots, self.addresses, server.port, key,
                               self.environ, os.getcwd())

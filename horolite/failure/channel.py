@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 from ..core.mpi_library import MPI
 
+from .links import LinkLost
 from .process_hooks import exit_now
 
 __all__ = ["Notice", "FailureChannel", "PeerFailure", "describe_exception", "where_raised",
@@ -212,11 +213,19 @@ class FailureChannel:
 
 
 def _wait_until(requests, deadline: float) -> bool:
-    while not MPI.Request.Testall(requests):
+    """Whether every request completed by `deadline`. On horolite's own connections a
+    request whose peer's connection closed fails (LinkLost) rather than never completing,
+    as under MPI: that peer is gone, so it is done with (it has ended, and will send
+    nothing more), and the wait goes on for the others."""
+    while True:
+        try:
+            if MPI.Request.Testall(requests):
+                return True
+        except LinkLost:
+            pass  # (the failed request is seen now: the next Testall passes over it)
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.002)
-    return True
 
 
 def where_raised(tb) -> str:

@@ -250,7 +250,9 @@ def _connect(rank, q, theirs, info, machine, same_machine, streams, key, deadlin
     if same_machine and theirs["machine"] == machine:
         candidates = [LOOPBACK]
     else:
-        candidates = tcp_address.order_for(info["addrs"], theirs["addrs"], theirs["named"])
+        # (as plain tuples where the world's codec carried them: no pickle, no NamedTuple)
+        their_addrs = [tcp_address.Address(*a) for a in theirs["addrs"]]
+        candidates = tcp_address.order_for(info["addrs"], their_addrs, theirs["named"])
     port, tried = theirs["port"], []
     for i, addr in enumerate(candidates):
         socks: List[socket.socket] = []

@@ -33,7 +33,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ["RendezvousServer", "RendezvousClient", "RendezvousError", "RendezvousTimeout",
-           "HELLO_SECONDS", "MAX_FRAME"]
+           "HELLO_SECONDS", "MAX_FRAME", "HOSTS"]
 
 _log = logging.getLogger("horolite.world.rendezvous")
 
@@ -47,6 +47,9 @@ MAX_FRAME = 16 << 20
 HELLO_SECONDS = 10.0
 _ANSWER_SECONDS = 30.0  # a client's wait for an answer, beyond the wait it asked for
 _LEN, _SECONDS = struct.Struct(">I"), struct.Struct(">d")
+# (scope, key) where a launcher that laid the ranks out puts each rank's host, one a line
+# in rank order: a rank left waiting for one that never came can say where it should be.
+HOSTS = ("launcher", "hosts")
 _GREETING, _ANSWER = len(MAGIC) + 1 + NONCE_BYTES, len(MAGIC) + 1 + NONCE_BYTES + MAC_BYTES
 
 _PUT, _GET, _WAIT_ALL, _DELETE = b"P", b"G", b"W", b"D"
@@ -260,6 +263,12 @@ class RendezvousServer(_Closes):
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
                 if _gone(sock):
                     raise EOFError("the client went away while waiting")
+
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        """A value put by the serving process itself, as a client's put would."""
+        with self._cond:
+            self._store.setdefault(scope, {})[key] = bytes(value)
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Stop serving; clients still connected see their connection close."""

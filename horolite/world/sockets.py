@@ -68,7 +68,7 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "") 
                          "`export HOROLITE_JOB_KEY=$(openssl rand -hex 32)`) or "
                          f"HOROLITE_JOB_KEY_FILE before starting the ranks{mpi}; "
                          "horolite-run --gloo sets it itself")
-    from .rendezvous import RendezvousClient, RendezvousServer, RendezvousTimeout
+    from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, RendezvousTimeout
     if identity.serve and rank == 0:
         _server = RendezvousServer(key, "0.0.0.0", identity.rendezvous_port)
     mine = tcp_address.offered(iface)
@@ -76,16 +76,24 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "") 
     listeners = _listen(binds)
     port = listeners[0].getsockname()[1]
     machine = Get_processor_name()
-    client = RendezvousClient(identity.rendezvous_addr, identity.rendezvous_port, key, timeout)
+    me = f"rank {rank} (host {identity.host_label or machine})"
+    try:
+        client = RendezvousClient(identity.rendezvous_addr, identity.rendezvous_port, key,
+                                  timeout)
+    except RendezvousError as e:
+        _tell_launcher(rank, f"{me} failed at init: {e}")
+        raise
     try:
         client.put("world", str(rank), codec.encode({
             "host": identity.host_label or machine, "machine": machine, "port": port,
             "addresses": [list(a) for a in mine],
             "by_name": tcp_address.own_host_addresses()}))
+        hosts = _launcher_hosts(client, size)
         try:
             found = client.wait_all("world", [str(q) for q in range(size)], timeout,
-                                    describe=lambda k: f"rank {k}")
-        except RendezvousTimeout:
+                                    describe=lambda k: f"rank {k}" + hosts.get(int(k), ""))
+        except RendezvousTimeout as e:
+            _tell_launcher(rank, f"{me} failed at init: {e}")
             if _server is not None:  # the others time out a moment later: let them hear
                 time.sleep(min(LINGER_SECONDS, timeout))  # whom they waited for, not that
             raise  # the server went away
@@ -104,6 +112,9 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "") 
         if not acceptor.wait(deadline):
             raise TimeoutError(f"rank {rank}: within {timeout:g} s no connection came from "
                                + ", ".join(where(q) for q in acceptor.waiting_for()))
+    except TimeoutError as e:
+        _tell_launcher(rank, f"{me} failed at init: {e}")
+        raise
     finally:
         acceptor.close()
     for q, streams in acceptor.taken().items():
@@ -112,6 +123,24 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "") 
     _log.info("rank %d: connected to %d ranks without MPI (rendezvous %s:%d)", rank, size - 1,
               identity.rendezvous_addr, identity.rendezvous_port)
     return COMM_WORLD
+
+
+def _launcher_hosts(client, size: int) -> Dict[int, str]:
+    """{rank: " (host h)"} as the launcher laid the ranks out (horolite-run --gloo puts
+    it at the rendezvous); empty where a scheduler started the ranks."""
+    from .rendezvous import HOSTS, RendezvousTimeout
+    try:
+        hosts = client.get(*HOSTS, timeout=0).decode().split("\n")
+    except RendezvousTimeout:
+        return {}
+    return {q: f" (host {h})" for q, h in enumerate(hosts[:size])}
+
+
+def _tell_launcher(rank: int, text: str) -> None:
+    """Set-up failed: horolite-run's summary says why (the process hooks that tell it of
+    a later failure come with the runtime, after set-up)."""
+    from ..failure.channel import launcher_marker
+    launcher_marker("cause", rank=rank, code=1, text=text)
 
 
 def _listen(binds: List[str]) -> List[socket.socket]:
