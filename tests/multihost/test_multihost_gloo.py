@@ -49,7 +49,8 @@ LOOP = os.path.join(ROOT, "tests", "multihost", "ranks", "allreduce_loop.py")
 STEADY = os.path.join(ROOT, "tests", "multihost", "ranks", "steady_allreduce.py")
 FIXED = os.path.join(ROOT, "tests", "multihost", "ranks", "fixed_steps.py")
 STRANGER = os.path.join(ROOT, "tests", "multihost", "stranger.py")
-STALL_FLAGS = ("--stall-check-warning-time-seconds", "2", "--stall-check-shutdown-time-seconds", "5")
+STALL_FLAGS = ("--stall-check-warning-time-seconds", "2",
+               "--stall-check-shutdown-time-seconds", "5")
 
 
 def _gloo(bed, command, *flags, env=None, **kw):
@@ -126,6 +127,9 @@ def test_gloo_a_host_whose_link_goes_down_is_named_on_both_sides(bed, no_leftove
                              r"\(HOROLITE_STALL_SHUTDOWN_TIME_SECONDS=5\)"), err[-5000:]
     assert re.search(r"horolite-run: job failed: .*no word from rank 2 \(host hl-b\), rank 3 "
                      r"\(host hl-b\)", err), err[-3000:]
+    # A peer's connection closing while a rank ends is expected, not a failure to report
+    # (failure/channel.py's waits on horolite's own connections).
+    assert "reporting the failure failed" not in err, err[-5000:]
     assert not cut_off_left, f"hl-b's ranks did not end on their own: {cut_off_left}"
     for r in (2, 3):
         text = (logs / f"rank.{r}" / "stderr").read_text()
@@ -153,7 +157,8 @@ def test_gloo_a_stopped_remote_rank_is_named_and_the_job_ends(bed, no_leftovers,
     assert not left, f"left on hl-b while rank 3 was stopped: {left}"
     assert job.returncode != 0
     assert 4 < took < 20, f"{took:.1f} s from SIGSTOP to the job's end (stall shutdown: 5 s)"
-    silent = r"no word from rank 3 \(host hl-b\) for \d+ s \(HOROLITE_STALL_SHUTDOWN_TIME_SECONDS=5\)"
+    silent = (r"no word from rank 3 \(host hl-b\) for \d+ s "
+              r"\(HOROLITE_STALL_SHUTDOWN_TIME_SECONDS=5\)")
     for r in (0, 1, 2):
         assert _said(err, r, silent), err[-5000:]
     assert re.search(r"horolite-run: job failed: .*no word from rank 3 \(host hl-b\)", err), \
@@ -174,8 +179,10 @@ def test_gloo_a_rank_that_never_reaches_the_rendezvous_is_named_within_the_timeo
     assert took < 20, f"{took:.1f} s (--gloo-timeout-seconds 5)"
     assert not list(tmp_path.glob("*.pid")), "a rank got past init"
     for r in (0, 1, 2):
-        assert _said(err, r, r"after 5 s, .*lacks 1 of 4: rank 3\b"), err[-5000:]
-    assert re.search(r"horolite-run: job failed: .*rank 3\b", err), err[-3000:]
+        assert _said(err, r, r"after 5 s, .*lacks 1 of 4: rank 3 \(host hl-b\)"), err[-5000:]
+    assert re.search(r"horolite-run: job failed: rank \d \(host hl-\w\) failed at init: "
+                     r".*after 5 s, .*lacks 1 of 4: rank 3 \(host hl-b\); "
+                     r"ranks stopped as a result: ", err), err[-3000:]
 
 
 def test_gloo_strangers_on_the_rendezvous_and_data_ports_are_refused(bed, no_leftovers, tmp_path):
@@ -205,7 +212,9 @@ def test_gloo_strangers_on_the_rendezvous_and_data_ports_are_refused(bed, no_lef
     for r in range(4):
         assert f"[{r}]<stdout>:rank {r}: 30 steps\n" in out, out + err[-3000:]
     reached = pestered["reached"]
-    assert f"hl-a:{rv_port.read_text()}" in reached, pestered
-    for host in ("hl-a", "hl-b"):  # each rank's world listener and its TCP transport's
-        assert len([p for p in reached if p.startswith(host)]) >= 4, pestered
+    rendezvous = f"hl-a:{rv_port.read_text()}"
+    assert rendezvous in reached, pestered
+    for host in ("hl-a", "hl-b"):  # the listeners of both ranks there, open during set-up
+        assert len([p for p in reached if p.startswith(host) and p != rendezvous]) >= 2, \
+            pestered
     assert pestered["wrong_key_accepted"] == [], pestered
