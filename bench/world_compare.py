@@ -2,6 +2,7 @@
 mpirun), in one run on one host: init()'s set-up time, a 4 KiB and a 64 MiB allreduce.
 
     python bench/world_compare.py [--np 2 3 4] [--rounds 3]
+    python bench/world_compare.py --np 16 --pretend-hosts --iters 10   # set-up across 16 hosts
 
 Each round starts one job in each world per rank count, alternating, and each job's
 ranks time the same allreduces (the median of many, the slowest rank's) and when init()
@@ -48,14 +49,17 @@ def rank_side(outdir: str, iters: int) -> None:
         json.dump(out, f)
 
 
-def one_job(world: str, np_: int, iters: int) -> dict:
+def one_job(world: str, np_: int, iters: int, pretend: bool = False) -> dict:
     run = shutil.which("horolite-run", path=os.path.dirname(sys.executable) + os.pathsep
                        + os.environ.get("PATH", ""))
     outdir = tempfile.mkdtemp(prefix="world-compare-")
     cmd = [run] + (["--gloo"] if world == "gloo" else []) + [
         "-np", str(np_), sys.executable, os.path.abspath(__file__), "--rank-side", outdir,
         "--iters", str(iters)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    env = dict(os.environ)
+    if pretend:  # every rank a host of its own: the set-up of a job across np hosts
+        env["HOROLITE_TEST_HOST_IDENTITY"] = "+".join(["1"] * np_)
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600, env=env)
     ranks = [json.load(open(os.path.join(outdir, f"rank.{q}.json"))) for q in range(np_)]
     shutil.rmtree(outdir, ignore_errors=True)
     return {"setup": max(x["ready"] for x in ranks) - max(x["born"] for x in ranks),
@@ -69,6 +73,8 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--rank-side", metavar="OUTDIR", help=argparse.SUPPRESS)
+    p.add_argument("--pretend-hosts", action="store_true",
+                   help="each rank on a host of its own (HOROLITE_TEST_HOST_IDENTITY=1+1+...)")
     p.add_argument("--tiny", action="store_true", help="one short round (the suite's smoke run)")
     args = p.parse_args(argv)
     if args.rank_side:
@@ -80,7 +86,7 @@ def main(argv=None) -> None:
     for _ in range(args.rounds):
         for n in args.np:
             for world in ("mpi", "gloo"):
-                seen[world, n].append(one_job(world, n, args.iters))
+                seen[world, n].append(one_job(world, n, args.iters, args.pretend_hosts))
     print("| np | measure | MPI world | without MPI | ratio | target |")
     print("|---|---|---|---|---|---|")
     for n in args.np:
