@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-MARKER = "##horolite-run##"  # rankwrap.MARKER (a plain file: no package to import from)
+from rankwrap import MARKER, write_all  # (its neighbour in this folder: both run as plain files)
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -44,17 +44,6 @@ def _parent_death():  # in each child, between fork and exec
             ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
         except Exception:
             pass
-
-
-def _write(fd, data):
-    while data:
-        try:
-            n = os.write(fd, data)
-        except InterruptedError:
-            continue
-        except OSError:  # the supervisor is gone; keep draining the ranks
-            return
-        data = data[n:]
 
 
 class Rank:
@@ -140,7 +129,7 @@ def main():
         try:
             ranks.append(Rank(spec, plan["cwd"], size))
         except OSError as e:
-            _write(2, f"horolite-run: cannot start rank {spec['rank']} on {spec['host']}: "
+            write_all(2, f"horolite-run: cannot start rank {spec['rank']} on {spec['host']}: "
                       f"{e.strerror}\n".encode())
             on_signal(signal.SIGTERM, None)
             break
@@ -154,10 +143,10 @@ def main():
             r, out = key.data
             data = os.read(key.fd, 65536)
             if data:
-                _write(out, r.lines(key.fd, data))
+                write_all(out, r.lines(key.fd, data))
                 continue
             # The end of this pipe: its last line, however it ended.
-            _write(out, r.lines(key.fd, b"\n") if r.partial[key.fd] else b"")
+            write_all(out, r.lines(key.fd, b"\n") if r.partial[key.fd] else b"")
             selector.unregister(key.fileobj)
             r.open_pipes -= 1
             if r.open_pipes:
@@ -168,7 +157,7 @@ def main():
                     r.proc.stdin.close()
                 except OSError:
                     pass
-            _write(2, r.missing_report(state["stopping"]))
+            write_all(2, r.missing_report(state["stopping"]))
             code = r.proc.returncode
             if code and not first_failure:
                 first_failure = 128 - code if code < 0 else code

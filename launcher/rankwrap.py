@@ -90,23 +90,24 @@ class _Stream:
         self.partial = lines.pop()
         if lines:
             prefix = self.prefix
-            _write(self.fd_out, b"".join(prefix + line + b"\n" for line in lines))
+            write_all(self.fd_out, b"".join(prefix + line + b"\n" for line in lines))
 
     def close(self):
         if self.partial:
-            _write(self.fd_out, self.prefix + self.partial + b"\n")
+            write_all(self.fd_out, self.prefix + self.partial + b"\n")
             self.partial = b""
         if self.copy is not None:
             self.copy.close()
 
 
-def _write(fd, data):
+def write_all(fd, data):
+    """All of `data` to `fd` (rank_spawn.py's relay writes with it too)."""
     while data:
         try:
             n = os.write(fd, data)
         except InterruptedError:
             continue
-        except OSError:  # the reader is gone; keep draining the child
+        except OSError:  # the reader is gone; keep draining the child (or the ranks)
             return
         data = data[n:]
 
@@ -141,7 +142,7 @@ class _Control:
 
 def _marker(kind, **fields):
     text = " ".join(f"{k}={v}" for k, v in fields.items())
-    _write(2, f"{MARKER} {kind} {text}\n".encode())
+    write_all(2, f"{MARKER} {kind} {text}\n".encode())
 
 
 def main(argv=None):
@@ -201,7 +202,7 @@ def main(argv=None):
                                  preexec_fn=_child_setup)
     except OSError as e:
         code = 127 if isinstance(e, FileNotFoundError) else 126
-        _write(2, f"[{rank}]<stderr>:horolite-run: cannot run {command[0]!r}: {e.strerror}\n"
+        write_all(2, f"[{rank}]<stderr>:horolite-run: cannot run {command[0]!r}: {e.strerror}\n"
                .encode())
         _marker("start", rank=rank, size=size, host=host, pid=os.getpid(), pgid=0)
         _marker("exit", rank=rank, size=size, host=host, code=code, signal=0, stopped=0)

@@ -79,9 +79,12 @@ def logged(out, rank, size, text):
 LANE = {"HOROLITE_EXCHANGE_PIPELINE": "1"}
 
 
-@pytest.mark.parametrize("np_,lane", [(2, False), (3, False), (4, False), (3, True)])
-def test_an_exception_on_one_rank_is_named_on_every_rank(np_, lane, tmp_path):
-    proc = run_job("raise", np_, tmp_path, env=LANE if lane else None)
+@pytest.mark.parametrize("np_,lane,world", [(2, False, "mpi"), (3, False, "mpi"),
+                                            (4, False, "mpi"), (3, True, "mpi"),
+                                            (2, False, "gloo"), (3, False, "gloo")])
+def test_an_exception_on_one_rank_is_named_on_every_rank(np_, lane, world, tmp_path):
+    # (gloo: started by horolite-run --gloo, whose summary names the rank too)
+    proc = run_job("raise", np_, tmp_path, env=LANE if lane else None, world=world)
     bad = np_ - 1
     cause = (f"rank {bad} (host {HOST}) failed: RuntimeError: bad batch "
              f"(scenario.py:{raise_line()})")
@@ -92,6 +95,10 @@ def test_an_exception_on_one_rank_is_named_on_every_rank(np_, lane, tmp_path):
     # The job ended because of the failure, not by running out its 400 steps (the
     # run_job timeout is the bound on ending at all).
     assert not any("finished" in notes(tmp_path, r) for r in range(np_)), proc.out[-3000:]
+    if world == "gloo":
+        summary = [line for line in proc.stderr.splitlines()
+                   if line.startswith("horolite-run: job")]
+        assert len(summary) == 1 and f"rank {bad} (host {HOST}" in summary[0], proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("case,code", [("exit3", 3), ("exit0", 0)])
