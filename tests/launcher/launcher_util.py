@@ -41,10 +41,12 @@ def wait_until_gone(token, seconds):
     return left
 
 
-def wait_for_marks(outdir, count, seconds=30):
+def wait_for_marks(outdir, count, seconds=30, read=None):
+    """Whether `count` ranks left their marks within `seconds` (read: how to read them)."""
+    read = read or marks
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if len(marks(outdir)) >= count:
+        if len(read(outdir)) >= count:
             return True
         time.sleep(0.1)
     return False

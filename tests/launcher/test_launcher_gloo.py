@@ -5,11 +5,10 @@ import json
 import os
 import signal
 import sys
-import time
 
 import pytest
 
-from launcher_util import REPO, wait_until_gone
+from launcher_util import REPO, wait_for_marks, wait_until_gone
 
 GLOO_PROBE = os.path.join(REPO, "tests", "launcher_rank", "gloo_probe.py")
 NO_MPI = {"HOROLITE_MPIRUN": "/nonexistent/mpirun"}  # --gloo must not look for one
@@ -84,21 +83,12 @@ def test_a_rank_killed_with_sigkill_ends_the_others(run, tmp_path):
 def test_ctrl_c_stops_every_rank(start, tmp_path):
     proc = start("--gloo", "-np", "2", sys.executable, GLOO_PROBE, tmp_path, "--sleep", "60",
                  env=NO_MPI)
-    assert _wait_for_gloo_marks(tmp_path, 2, 30), \
+    assert wait_for_marks(tmp_path, 2, 30, read=gloo_marks), \
         proc.stderr.read() if proc.poll() is not None else "no marks"
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=30)
     assert proc.returncode == 130 and "stopped by SIGINT" in proc.stderr.read()
     assert_no_processes(str(tmp_path))
-
-
-def _wait_for_gloo_marks(outdir, count, seconds):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if len(gloo_marks(outdir)) >= count:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_without_mpi_the_error_names_both_ways_out(run):
