@@ -46,7 +46,7 @@ def test_config_file_flags_and_unhonoured_warnings(run, tmp_path, np_):
 
 
 def test_refused_flag_starts_nothing(run, tmp_path):
-    r = run("-np", "2", "--gloo", sys.executable, "-c", "open(%r, 'w')" % str(tmp_path / "ran"))
+    r = run("-np", "2", "--jsrun", sys.executable, "-c", "open(%r, 'w')" % str(tmp_path / "ran"))
     assert r.returncode == 2
-    assert "--gloo is not supported: horolite has no Gloo controller" in r.stderr
+    assert "--jsrun is not supported: horolite launches through mpirun or by itself" in r.stderr
     assert not (tmp_path / "ran").exists()
