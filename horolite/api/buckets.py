@@ -104,34 +104,47 @@ class BucketRuns:
     an earlier run) goes once that one is done. A run counts a request as its own only
     once it went, so a send that raised is tried again by the next run.
 
-    Both what is in flight and which unfinished run sent a name are kept per (process
-    set, name) across every BucketRuns: each trace of a tf.function (another input
-    shape, a retrace) makes its own for the same names, and a step that failed in one
-    trace must be noticed by the next step whichever trace that runs (else its buckets
-    pair with the other ranks' failed step and the weights silently differ)."""
+    Both what is in flight and which unfinished run sent a request are kept per process
+    set across every BucketRuns: each trace of a tf.function (another input shape, a
+    retrace) makes its own, and a step that failed in one trace must be noticed by the
+    next step whichever trace that runs (else its buckets pair with the other ranks'
+    failed step and the weights silently differ, or every rank waits for ever). What is
+    in flight goes by name; which run sent a request goes by its key, which names the
+    request the same in every trace (traces may number their names differently: see
+    tensorflow/bridge.across_traces); the key is the name where none is given."""
 
     # (process set, name) -> the latest request or notice of that name, until it is done
     _latest: Dict[tuple, Handle] = {}
     _latest_lock = threading.Lock()
-    # (process set, name) -> the BucketRuns whose run sent it and has not ended
+    # (process set, key) -> the BucketRuns whose run sent it and has not ended
     _open: Dict[tuple, "BucketRuns"] = {}
     _runs = threading.RLock()  # one submit or stop at a time, over every BucketRuns
 
-    def __init__(self, names: Sequence[str], process_set=global_process_set):
+    def __init__(self, names: Sequence[str], process_set=global_process_set,
+                 keys: Optional[Sequence[str]] = None):
         self.names = list(names)
+        self.keys = list(names if keys is None else keys)
+        if len(self.keys) != len(self.names):
+            raise ValueError(f"BucketRuns: {len(self.keys)} keys for {len(self.names)} names")
         self.process_set = process_set
         self._sent: set = set()  # requests the current run sent
         self._dropped: set = set()  # and those abandoned as it ended (until it has ended)
         self._lock = BucketRuns._latest_lock
         self._last = BucketRuns._latest
 
-    def _key(self, name: str) -> tuple:
-        return (id(self.process_set), name)
+    def add(self, name: str, key: Optional[str] = None) -> int:
+        """One more request of the step (its index): `name`, found across traces as `key`."""
+        self.names.append(name)
+        self.keys.append(name if key is None else key)
+        return len(self.names) - 1
+
+    def _key(self, k: int) -> tuple:
+        return (id(self.process_set), self.keys[k])
 
     def submit(self, k: int, submit: Callable, *args) -> Handle:
         """submit(*args) for request k (its handle, or one that completes as it does)."""
         with self._runs:
-            owner = self._open.get(self._key(self.names[k]))
+            owner = self._open.get(self._key(k))
             if owner is not None:  # the next run began (here or in another trace): what
                 # the last one did not send never comes
                 owner._end_run(f"its previous run of this step failed there after "
@@ -139,7 +152,7 @@ class BucketRuns:
                                "and its next run began")
             handle = self._send(self.names[k], submit, *args)
             self._sent.add(k)
-            self._open[self._key(self.names[k])] = self
+            self._open[self._key(k)] = self
             if len(self._sent) == len(self.names):
                 self._close()
             return handle
@@ -164,7 +177,7 @@ class BucketRuns:
     def _close(self) -> None:
         """The current run has ended: its names belong to no open run of this one."""
         for k in self._sent:
-            key = self._key(self.names[k])
+            key = self._key(k)
             if self._open.get(key) is self:
                 del self._open[key]
         self._sent, self._dropped = set(), set()

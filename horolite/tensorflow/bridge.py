@@ -48,7 +48,7 @@ from .eager import eager_tensor
 from .intake import intake_for, submit_to_wait_op
 
 __all__ = ["enqueue_allreduce", "enqueue_grouped_allreduce", "grouped_allreduce_submit", "wait",
-           "run_alone", "to_tf_error", "graph_unique_name"]
+           "run_alone", "to_tf_error", "graph_unique_name", "across_traces"]
 
 def _leave_to_python() -> None:
     """Keep AutoGraph out of horolite's own code, as TensorFlow keeps it out of Keras and
@@ -123,6 +123,19 @@ def graph_unique_name(base: str) -> str:
     name = graph.unique_name(base, mark_as_used=True)
     scope = _graph_scope(graph)
     return f"{scope}/{name}" if scope else name
+
+
+def across_traces(name: str) -> str:
+    """`name` (graph_unique_name's, in the current graph) as every trace makes it: the
+    numbers telling nested graphs apart dropped. A tf.function called in another is traced
+    anew in each outer trace, twice in the first where that made variables, and numbered
+    there: fit's step sends `one_step_on_data_1/...` in its first trace, then
+    `one_step_on_data/...`. A failed step is found across traces by this name
+    (BucketRuns). Graphs it merges (two conds) run one after the other in tf.function."""
+    scope = _graph_scope(tf.compat.v1.get_default_graph())
+    if not scope or not name.startswith(scope + "/"):
+        return name
+    return "/".join(_UID_SUFFIX.sub("", part) for part in scope.split("/")) + name[len(scope):]
 
 
 _UID_SUFFIX = re.compile(r"_\d+$")

@@ -23,7 +23,8 @@ from horolite.core.ops import ReduceOp
 
 from .compression import Compression
 from .functions import variable_name, variable_ref
-from .bridge import _enqueue, graph_unique_name, grouped_allreduce_submit, run_alone, wait
+from .bridge import (_enqueue, across_traces, graph_unique_name, grouped_allreduce_submit,
+                     run_alone, wait)
 from .adasum import check_adasum
 from .bucket_order import BucketOrder
 from .mpi_ops import _check_op
@@ -193,8 +194,7 @@ class GradientReducer:
         def tracked(name, submit):
             if runs is None:
                 return submit
-            k = len(runs.names)
-            runs.names.append(name)
+            k = runs.add(name, across_traces(name))
 
             def submit_in_run(*arrays):
                 return runs.submit(k, submit, *arrays)

@@ -4,11 +4,15 @@ Buckets are on in every run of this file (HOROLITE_GRADIENT_BUCKET_MB=0.3 unless
 driver set a cap). A tf.function traces once per input shape, and each trace holds its
 own copy of the step's buckets under the same request names: a step that failed on one
 rank in one trace must be noticed by the next step whichever trace it runs, or its
-buckets pair with the other ranks' failed step and the weights silently differ.
+buckets pair with the other ranks' failed step and the weights silently differ. A step
+traced inside another function (Keras fit's) is numbered apart in each trace: there the
+ranks waited for ever.
 The barrier that keeps the weights equal after a failed step must cost edges linear in
 the number of variables, not one per (op, gradient) pair.
 """
+import faulthandler
 import os
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -57,13 +61,18 @@ def batch(r, rows):
             tf.constant(rng.normal(size=(rows, 4)).astype(np.float32)))
 
 
-def tape_runner(model, opt):
+def _tape_step(model, opt):
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
+    return step
+
+
+def tape_runner(model, opt):
+    step = _tape_step(model, opt)
     return lambda rows: step(*batch(R, rows))
 
 
@@ -94,6 +103,95 @@ def test_a_step_failed_in_one_trace_fails_the_others_when_rank_1_runs_another_tr
     same_on_every_rank([v.numpy() for v in model.trainable_variables], "weight")
     same_on_every_rank([v.numpy() for v in opt.variables], "optimizer variable")
     assert int(opt.iterations.numpy()) == 4  # the failed step counted nowhere
+
+
+def fit_runner(model, opt):
+    model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError())
+
+    def run(rows):
+        model.fit(*batch(R, rows), batch_size=rows, epochs=1, shuffle=False, verbose=0)
+    return run
+
+
+def nested_tape_runner(model, opt):
+    # A step traced inside another function, as fit's is: its first trace creates the
+    # optimizer's variables, so tf.function traces it twice inside the outer graph.
+    inner = _tape_step(model, opt)
+
+    @tf.function
+    def outer(x, y):
+        inner(x, y)
+    return lambda rows: outer(*batch(R, rows))
+
+
+def fail_if_hung(seconds):
+    """A hang ends this rank after `seconds`, every thread's stack in its log (pytest's
+    capture would lose them): the test fails fast instead of waiting for the driver."""
+    outdir = os.environ.get("HOROLITE_TEST_OUTDIR")
+    out = open(os.path.join(outdir, f"rank{R}.log"), "a") if outdir else None
+    faulthandler.dump_traceback_later(seconds, exit=True, file=out or sys.__stderr__)
+    return out
+
+
+def reference(steps):
+    """Plain Keras, no horolite: the weights after one Adam step per batch size in
+    `steps`, each on the gradient averaged over every rank's batch of that size."""
+    model = failing_model(tf.Variable(0.0, trainable=False))
+    opt = keras.optimizers.Adam(1e-3)
+    for rows in steps:
+        per_rank = []
+        for r in range(N):
+            x, y = batch(r, rows)
+            with tf.GradientTape() as tape:
+                loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+            per_rank.append(tape.gradient(loss, model.trainable_variables))
+        opt.apply_gradients(zip([tf.add_n(list(g)) / N for g in zip(*per_rank)],
+                                model.trainable_variables))
+    return [v.numpy() for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize("how", ["fit", "fit_recompiled", "nested_tape"])
+def test_a_step_failed_in_one_trace_of_a_nested_step_fails_the_others_then_trains_on(how):
+    # fit's step is a tf.function inside another; its first trace is made twice in the
+    # outer graph (the first made the optimizer's variables), so its requests carry
+    # another scope than any later trace's (one_step_on_data_1, one_step_on_data). Rank 1
+    # fails in the first trace; then every rank runs another (another batch shape, or a
+    # new train function after compile): before, the others waited for ever for the
+    # failed step's buckets. Now they fail naming rank 1, and training goes on exactly as
+    # plain Keras would without the failed step.
+    _two_ranks()
+    log = fail_if_hung(150)
+    try:
+        flag = tf.Variable(0.0, trainable=False)
+        model = failing_model(flag)
+        opt = hvd_keras.DistributedOptimizer(keras.optimizers.Adam(1e-3))
+        run = (nested_tape_runner if how == "nested_tape" else fit_runner)(model, opt)
+        run(32)
+        if how != "fit_recompiled":
+            run(48)  # both traces made and warm
+        flag.assign(1.0 if R == 1 else 0.0)
+        if R == 1:
+            with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
+                run(32)
+        else:
+            with pytest.raises(tf.errors.OpError, match=PEER_FAILED):
+                run(32)
+        if how == "fit_recompiled":  # a new train function: every trace of it is new
+            model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError())
+        flag.assign(0.0)
+        run(48)
+        run(32)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if log is not None:
+            log.close()
+    steps = [32, 48, 48, 32] if how != "fit_recompiled" else [32, 48, 32]
+    weights = [v.numpy() for v in model.trainable_variables]
+    same_on_every_rank(weights, "weight")
+    same_on_every_rank([v.numpy() for v in opt.variables], "optimizer variable")
+    assert int(opt.iterations.numpy()) == len(steps)  # the failed step counted nowhere
+    for k, (got, want) in enumerate(zip(weights, reference(steps))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"weight {k}")
 
 
 # ---- what the barrier costs in the traced graph ----
