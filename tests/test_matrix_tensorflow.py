@@ -18,11 +18,14 @@ FILES = sorted(f for f in glob.glob(os.path.join(ROOT, "tests", "tensorflow", "t
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-# Every file at np 2-4; at np 1 (a job of one rank, where nothing travels) the adapters'
-# own files: training (tape, legacy and Keras optimizers, fit) and the collectives. Each
-# other file's one-rank case is theirs too, and its TensorFlow start would cost CI a job.
-ONE_RANK = ("test_tf_training.py", "test_tf_collectives.py")
-JOBS = [(f, n) for f in FILES for n in RANK_COUNTS if n > 1 or os.path.basename(f) in ONE_RANK]
+# Every file at np 2 and 3 (an even and an odd ring); at np 1 and 4 the adapters' own files:
+# training (tape, legacy and Keras optimizers, fit) and the collectives. A job of 4
+# TensorFlow processes on CI's 2 cores takes minutes; the other files' features meet no
+# path at np 4 that np 2 and 3 do not take (their rings and trees are the runtime's, run at
+# np 1-4 in test_matrix_core.py).
+EVERY_SIZE = ("test_tf_training.py", "test_tf_collectives.py")
+JOBS = [(f, n) for f in FILES for n in RANK_COUNTS
+        if n in (2, 3) or os.path.basename(f) in EVERY_SIZE]
 
 
 @pytest.mark.parametrize("path,np_", JOBS, ids=[f"{os.path.basename(f)}-{n}" for f, n in JOBS])
@@ -31,10 +34,10 @@ def test_tensorflow_rank_file(path, np_):
 
 
 # Gradient buckets (test_tf_buckets.py): (np, environment, whether buckets are expected).
-# Set explicitly at np 1-4; by default none on one host, and buckets where ranks span
-# (pretend) hosts. The simulated hosts run it too (tests/multihost).
+# Set explicitly at np 2 and 3; by default none on one host, and buckets where ranks span
+# (pretend) hosts (np 3 and 4). The simulated hosts run it too (tests/multihost).
 BUCKET_RUNS = {
-    **{f"cap_np{n}": (n, {"HOROLITE_GRADIENT_BUCKET_MB": "0.3"}, True) for n in RANK_COUNTS},
+    **{f"cap_np{n}": (n, {"HOROLITE_GRADIENT_BUCKET_MB": "0.3"}, True) for n in (2, 3)},
     "one_host_default_np2": (2, {}, False),
     "hosts_2+1_np3": (3, {"HOROLITE_TEST_HOST_IDENTITY": "2+1"}, True),
     "hosts_2+2_np4": (4, {"HOROLITE_TEST_HOST_IDENTITY": "2+2"}, True),
