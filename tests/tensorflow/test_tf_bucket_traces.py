@@ -76,6 +76,18 @@ def tape_runner(model, opt):
     return lambda rows: step(*batch(R, rows))
 
 
+def fail_on_rank_1(flag, run, batch):
+    """One step of `run` in which rank 1 fails (FailOnFlag) and every other rank's step
+    fails naming it."""
+    flag.assign(1.0 if R == 1 else 0.0)
+    if R == 1:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
+            run(batch)
+    else:
+        with pytest.raises(tf.errors.OpError, match=PEER_FAILED):
+            run(batch)
+
+
 def test_a_step_failed_in_one_trace_fails_the_others_when_rank_1_runs_another_trace():
     # Two batch shapes: two traces of one function, the same request names. Rank 1 fails
     # in the first (after its top bucket left), then every rank runs the second: rank 1's
@@ -90,13 +102,7 @@ def test_a_step_failed_in_one_trace_fails_the_others_when_rank_1_runs_another_tr
     run = tape_runner(model, opt)
     run(32)
     run(48)  # both traces made and warm
-    flag.assign(1.0 if R == 1 else 0.0)
-    if R == 1:
-        with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
-            run(32)
-    else:
-        with pytest.raises(tf.errors.OpError, match=PEER_FAILED):
-            run(32)
+    fail_on_rank_1(flag, run, 32)
     flag.assign(0.0)
     run(48)
     run(32)
@@ -169,13 +175,7 @@ def test_a_step_failed_in_one_trace_of_a_nested_step_fails_the_others_then_train
         run(32)
         if how != "fit_recompiled":
             run(48)  # both traces made and warm
-        flag.assign(1.0 if R == 1 else 0.0)
-        if R == 1:
-            with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
-                run(32)
-        else:
-            with pytest.raises(tf.errors.OpError, match=PEER_FAILED):
-                run(32)
+        fail_on_rank_1(flag, run, 32)
         if how == "fit_recompiled":  # a new train function: every trace of it is new
             model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError())
         flag.assign(0.0)
