@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from ..core.mpi_library import without_mpi
 from . import basics
 
 __all__ = ["mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
@@ -22,7 +23,7 @@ def mpi_built() -> bool:
 
 def mpi_enabled() -> bool:
     """True once init() has started the runtime over MPI."""
-    return basics.is_initialized() and not _without_mpi()
+    return basics.is_initialized() and not without_mpi()
 
 
 def gloo_built() -> bool:
@@ -32,12 +33,8 @@ def gloo_built() -> bool:
 
 def gloo_enabled() -> bool:
     """True once init() has started the runtime without MPI (Horovod's Gloo mode)."""
-    return basics.is_initialized() and _without_mpi()
+    return basics.is_initialized() and without_mpi()
 
-
-def _without_mpi() -> bool:
-    from ..core.mpi_library import without_mpi
-    return without_mpi()
 
 
 def cuda_built() -> bool:

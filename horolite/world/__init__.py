@@ -82,7 +82,8 @@ def open_world(environ: Mapping[str, str] = os.environ):
             return names
     global _identity
     from . import sockets
-    settings_iface = environ.get("HOROLITE_TCP_IFACE", environ.get("HOROVOD_GLOO_IFACE", ""))
+    from ..core.settings import env_value
+    settings_iface = env_value("TCP_IFACE", environ) or env_value("GLOO_IFACE", environ) or ""
     sockets.open_world(found, identity_mod.job_key(environ) if found.size > 1 else None,
                        gloo_timeout(environ), settings_iface)
     mpi_library.use(sockets)

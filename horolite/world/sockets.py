@@ -1,7 +1,7 @@
 """The job world without MPI: a rendezvous, then one TCP connection per pair of ranks.
 
-This module stands where mpi4py's MPI module stands in an MPI-launched job (names.py
-picks one of the two at init): the same names, as far as horolite uses them, so the
+This module stands where mpi4py's MPI module stands in an MPI-launched job
+(core/mpi_library.MPI is whichever of the two init() chose): the same names, as far as horolite uses them, so the
 runtime, its transports and its failure handling run unchanged on either. Ranks find
 each other through the rendezvous (rendezvous.py: served by horolite-run, or by rank 0
 where a scheduler started the ranks); each puts where it listens and reads the others',

@@ -76,9 +76,18 @@ def _context(parent: int, *parts) -> int:
 
 
 def _bytes_of(buf) -> memoryview:
+    """What a send carries (a non-contiguous array is copied into order)."""
     if isinstance(buf, (list, tuple)):
         buf = buf[0]
     return memoryview(np.ascontiguousarray(buf)).cast("B")
+
+
+def _into(buf) -> memoryview:
+    """Where a receive lands: the caller's own memory, never a copy (a non-contiguous
+    buffer is refused by memoryview.cast rather than filled in a copy nobody reads)."""
+    if isinstance(buf, (list, tuple)):
+        buf = buf[0]
+    return memoryview(buf).cast("B")
 
 
 class Group:
@@ -123,8 +132,7 @@ class Comm:
         return req
 
     def Irecv(self, buf, source: int = ANY_SOURCE, tag: int = 0) -> RecvRequest:
-        view = _bytes_of(buf) if not isinstance(buf, np.ndarray) else memoryview(buf).cast("B")
-        return self._recv(view, source, tag)
+        return self._recv(_into(buf), source, tag)
 
     def _recv(self, view, source: int, tag: int) -> RecvRequest:
         want = ANY_SOURCE if source == ANY_SOURCE else self.ranks[source]
@@ -205,7 +213,7 @@ class Comm:
         self.Ibcast(buf, root).Wait()
 
     def Ibcast(self, buf, root: int = 0) -> Request:
-        view = _bytes_of(buf)
+        view = _into(buf)
 
         def steps():
             data = yield from _maybe(self._bcast_steps(view.tobytes() if self._rank == root
@@ -231,7 +239,7 @@ class Comm:
 
     def Iallgather(self, sendbuf, recvbuf) -> Request:
         mine = _bytes_of(sendbuf).tobytes()
-        out = _bytes_of(recvbuf)
+        out = _into(recvbuf)
         tag = self._tag()
 
         def steps():
@@ -241,7 +249,7 @@ class Comm:
 
     def Ialltoall(self, sendbuf, recvbuf) -> Request:
         mine = _bytes_of(sendbuf).tobytes()
-        out = _bytes_of(recvbuf)
+        out = _into(recvbuf)
         n = len(self.ranks)
         tag = self._tag()
 
@@ -265,11 +273,11 @@ class Comm:
             if parts is None:
                 return
             if isinstance(recvbuf, (list, tuple)):
-                out = _bytes_of(recvbuf[0])
+                out = _into(recvbuf[0])
                 for part, at in zip(parts, recvbuf[2]):
                     out[int(at):int(at) + len(part)] = part
             else:
-                _bytes_of(recvbuf)[:] = b"".join(parts)
+                _into(recvbuf)[:] = b"".join(parts)
         return _Steps(self.mesh, steps())
 
     # -- new communicators --
@@ -324,8 +332,7 @@ COMM_NULL = _NullComm()
 
 class _LocalRecv(RecvRequest):
     def __init__(self, comm: Comm, view, want: int, tag: int):
-        super().__init__(comm.mesh, None, comm.context, want, tag)
-        self.view = view
+        super().__init__(comm.mesh, view, comm.context, want, tag)
         self._comm = comm
 
     @property

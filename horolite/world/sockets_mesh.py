@@ -306,13 +306,13 @@ class Mesh:
                 data = bytearray(n)
                 if n and not _read_into(sock, memoryview(data)):
                     raise ConnectionResetError("closed by the peer inside a message")
-                with self._lock:
+                with self._lock:  # (kept as read: no second copy)
                     if req is None:
                         req = self._claim(context, q, tag)
                     if req is None:
-                        self._arrived[(context, q, tag)].append(bytes(data))
+                        self._arrived[(context, q, tag)].append(data)
                     else:
-                        self._fill(req, q, bytes(data))
+                        self._fill(req, q, data)
                     self._bump()
         except (OSError, ValueError) as e:
             if not self._closing:
