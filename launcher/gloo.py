@@ -30,7 +30,7 @@ from .config import LaunchConfig, wrapper_argv
 from .outcome import JobResult
 from .supervise import Supervisor
 
-__all__ = ["add_gloo_flags", "RankSlot", "layout", "rendezvous_addresses", "rank_env",
+__all__ = ["add_gloo_flags", "RankSlot", "layout", "slots_for", "rendezvous_addresses", "rank_env",
            "build_plan", "GlooJob", "RANK_SPAWN"]
 
 RANK_SPAWN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_spawn.py")
@@ -68,14 +68,18 @@ class RankSlot:
 
 def layout(hosts: Sequence[hostlib.Host], num_proc: int) -> List[RankSlot]:
     """Ranks fill each host's slots in order (mpirun's default by-slot mapping)."""
-    names = hostlib.rank_hosts(hosts, num_proc)
+    return slots_for(hostlib.rank_hosts(hosts, num_proc))
+
+
+def slots_for(names: Sequence[str]) -> List[RankSlot]:
+    """Each rank's place, rank r on host names[r]."""
     local_rank, seen, same_local = [], {}, {}
     for name in names:
         local_rank.append(seen.get(name, 0))
         seen[name] = local_rank[-1] + 1
     for rank, lr in enumerate(local_rank):
         same_local.setdefault(lr, []).append(rank)
-    return [RankSlot(rank, name, local_rank[rank], names.count(name),
+    return [RankSlot(rank, name, local_rank[rank], list(names).count(name),
                      same_local[local_rank[rank]].index(rank), len(same_local[local_rank[rank]]))
             for rank, name in enumerate(names)]
 

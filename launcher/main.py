@@ -129,8 +129,7 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     if parsed.check_build:
         return check_build()
     if elastic_flags.is_elastic(parsed) and parsed.gloo:
-        return _error("--gloo does not run elastic jobs (--min-np, --host-discovery-script) "
-                      "yet: drop --gloo to run them over mpirun")
+        return _run_elastic_gloo(parsed)
     if elastic_flags.is_elastic(parsed):
         # Imported here: elastic.py reaches horolite.elastic and so mpi4py's MPI, which
         # fails to load where no MPI library is installed; a plain start must get as far
@@ -161,6 +160,32 @@ def main(args: Optional[Sequence[str]] = None) -> int:
     if result.message:
         print(f"horolite-run: {result.message}", file=sys.stderr, flush=True)
     return result.exit_code
+
+
+def _run_elastic_gloo(parsed) -> int:
+    """--gloo with --min-np: survivors of a failure go on in their running processes."""
+    from .elastic_gloo import run_elastic_gloo
+    try:
+        if parsed.host_discovery_script:
+            raise ValueError("--gloo does not take --host-discovery-script yet (its elastic "
+                             "jobs go on with the survivors of a failure): drop --gloo to "
+                             "grow and shrink the job by restarts over mpirun")
+        cfg = elastic_flags.elastic_config(parsed, os.environ, None)
+        for dest, flag in (("max_num_proc", "--max-np"), ("cooldown_range",
+                                                          "--blacklist-cooldown-range"),
+                           ("slots", "--slots-per-host")):
+            if getattr(parsed, dest, None) is not None:
+                raise ValueError(f"{flag} needs --host-discovery-script, which --gloo does not "
+                                 "take yet")
+        parsed.num_proc = cfg.num_proc
+        config = config_from_args(parsed)
+        check_command(config)
+        if config.start == SSH:
+            hostlib.check_resolvable(config.hosts)
+            ssh_check.check_reachable(config)
+    except ValueError as e:
+        return _error(str(e))
+    return run_elastic_gloo(config, cfg.min_np, cfg.reset_limit, cfg.timeout)
 
 
 def _run_mpirun(config: LaunchConfig, install: mpi.MpiInstall):

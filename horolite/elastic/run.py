@@ -28,7 +28,7 @@ from ..api import basics
 from ..api.collectives import allgather, broadcast
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt, ShutdownError
 from ..failure.channel import caused_by_peer, describe_exception, launcher_marker
-from . import protocol
+from . import in_process, protocol
 from .durable import CommitStore, decode
 from .session import current, log
 from .state import NOT_DURABLE, State
@@ -106,6 +106,8 @@ def run_fn(func: Callable, reset: Optional[Callable] = None) -> Callable:
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
         global _resumed
+        if in_process.enabled():
+            return _run_in_process(func, state, args, kwargs)
         session = current()
         if session is not None and not _resumed:
             _resumed = True
@@ -132,9 +134,27 @@ def run_fn(func: Callable, reset: Optional[Callable] = None) -> Callable:
     return wrapper
 
 
+def _run_in_process(func: Callable, state: State, args, kwargs):
+    """Horovod's loop, with the survivors of a failure going on in this process: the
+    last commit restored, the next world joined (in_process.rejoin), `on_reset`, and the
+    state synced from the new rank 0 (the oldest survivor) before `func` runs again."""
+    while True:
+        try:
+            state.sync()
+            return func(state, *args, **kwargs)
+        except Exception as e:
+            if not is_runtime_failure(e):
+                _name_user_error(e)
+                raise
+            state.restore()
+            in_process.rejoin(e)
+            state.on_reset()
+
+
 def _name_user_error(exc: BaseException) -> None:
     """Tell horolite-run that the training code raised (so it does not restart the job)."""
-    if current() is None or getattr(exc, "_horolite_elastic_named", False):
+    if (current() is None and not in_process.enabled()) or \
+            getattr(exc, "_horolite_elastic_named", False):
         return
     try:
         exc._horolite_elastic_named = True

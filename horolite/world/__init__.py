@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-__all__ = ["open_world", "gloo_timeout", "identity_used"]
+__all__ = ["open_world", "reopen", "gloo_timeout", "identity_used"]
 
 DEFAULT_TIMEOUT = 30.0  # horovodrun --gloo-timeout-seconds' default
 _identity = None  # where this rank learned who it is (jobs without MPI)
@@ -80,12 +80,28 @@ def open_world(environ: Mapping[str, str] = os.environ):
         else:
             mpi_library.use(names)
             return names
+    return _open_sockets(found, environ)
+
+
+def _open_sockets(found, environ: Mapping[str, str], generation: int = 0, superseded=None):
     global _identity
+    from . import identity as identity_mod
     from . import sockets
+    from ..core import mpi_library
     from ..core.settings import env_value
     settings_iface = env_value("TCP_IFACE", environ) or env_value("GLOO_IFACE", environ) or ""
-    sockets.open_world(found, identity_mod.job_key(environ) if found.size > 1 else None,
-                       gloo_timeout(environ), settings_iface)
+    key = identity_mod.job_key(environ) if found.size > 1 or generation else None
+    sockets.open_world(found, key, gloo_timeout(environ), settings_iface, generation,
+                       superseded)
     mpi_library.use(sockets)
     _identity = found
     return sockets
+
+
+def reopen(found, generation: int, superseded=None, environ: Mapping[str, str] = os.environ):
+    """Between two generations of an elastic job without MPI (after shutdown()): close
+    this world's connections and meet the ranks of generation `generation` as `found`
+    says. The rendezvous this process serves, if any, stays."""
+    from . import sockets
+    sockets.close_world(keep_server=True)
+    return _open_sockets(found, environ, generation, superseded)

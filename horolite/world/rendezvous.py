@@ -270,6 +270,11 @@ class RendezvousServer(_Closes):
             self._store.setdefault(scope, {})[key] = bytes(value)
             self._cond.notify_all()
 
+    def items(self, scope: str) -> Dict[str, bytes]:
+        """A copy of what scope holds now (the serving process's own read)."""
+        with self._cond:
+            return dict(self._store.get(scope, {}))
+
     def close(self) -> None:
         """Stop serving; clients still connected see their connection close."""
         with self._cond:
@@ -383,16 +388,19 @@ class RendezvousClient(_Closes):
         return _fields(reply)[0]
 
     def wait_all(self, scope: str, keys: Sequence[str], timeout: float,
-                 describe: Callable[[str], str] = str) -> Dict[str, bytes]:
+                 describe: Callable[[str], str] = str,
+                 waited: Optional[float] = None) -> Dict[str, bytes]:
         """Every key's value once all are put; RendezvousTimeout naming each missing one
-        (as `describe(key)` says it) when `timeout` passes first."""
+        (as `describe(key)` says it) when `timeout` passes first (`waited`: the whole wait
+        to name, when this is its last slice)."""
         keys = list(keys)
         replies = self._request(_frame(_WAIT_ALL, scope.encode(), _seconds(timeout),
                                        *(k.encode() for k in keys)), timeout)
         if replies[0][:1] == _MISSING:
             missing = [k.decode() for k in _fields(replies[0])]
             raise RendezvousTimeout(
-                f"{self._where}: after {timeout:g} s, scope {scope!r} still lacks "
+                f"{self._where}: after {timeout if waited is None else waited:g} s, scope "
+                f"{scope!r} still lacks "
                 f"{len(missing)} of {len(keys)}: " + ", ".join(describe(k) for k in missing))
         return {k: _fields(r)[0] for k, r in zip(keys, replies[1:])}
 

@@ -9,6 +9,8 @@ and every pair connects with the hello of transport/tcp_hello.py under the job's
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import socket
@@ -52,8 +54,29 @@ def Get_library_version() -> str:
     return "horolite's own connections (no MPI)"
 
 
-def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "") -> Comm:
-    """Meet the other ranks and connect to each; COMM_WORLD from then on."""
+def generation_key(key: bytes, generation: int) -> bytes:
+    """The key the connections of one generation of the world say their hello with: a
+    rank of an older generation (a stale peer that comes back) cannot complete it."""
+    if generation == 0:
+        return key
+    return hmac.new(key, b"horolite world generation %d" % generation, hashlib.sha256).digest()
+
+
+def world_scope(generation: int) -> str:
+    """The rendezvous scope where one generation's ranks put where they listen."""
+    return "world" if generation == 0 else f"world.{generation}"
+
+
+class Superseded(RuntimeError):
+    """A newer generation of the world was announced while this one was meeting."""
+
+
+def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
+               generation: int = 0, superseded=None) -> Comm:
+    """Meet the other ranks and connect to each; COMM_WORLD from then on. `generation`:
+    which world of an elastic job (0 the first); `superseded(client)`, if given, is asked
+    while waiting for the others and says whether a newer generation made this one moot
+    (raises Superseded)."""
     global COMM_WORLD, _server
     rank, size = identity.rank, identity.size
     if size == 1:
@@ -81,48 +104,87 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "") 
         client = RendezvousClient(identity.rendezvous_addr, identity.rendezvous_port, key,
                                   timeout)
     except RendezvousError as e:
+        _close_all(listeners)
         _tell_launcher(rank, f"{me} failed at init: {e}")
         raise
+    acceptor, ready = None, False
     try:
-        client.put("world", str(rank), codec.encode({
+        scope = world_scope(generation)
+        client.put(scope, str(rank), codec.encode({
             "host": identity.host_label or machine, "machine": machine, "port": port,
             "addresses": [list(a) for a in mine],
             "by_name": tcp_address.own_host_addresses()}))
         hosts = _launcher_hosts(client, size)
         try:
-            found = client.wait_all("world", [str(q) for q in range(size)], timeout,
-                                    describe=lambda k: f"rank {k}" + hosts.get(int(k), ""))
+            found = _meet(client, scope, size, timeout, hosts, superseded)
         except RendezvousTimeout as e:
             _tell_launcher(rank, f"{me} failed at init: {e}")
             if _server is not None:  # the others time out a moment later: let them hear
                 time.sleep(min(LINGER_SECONDS, timeout))  # whom they waited for, not that
             raise  # the server went away
+        peers = [codec.decode(found[str(q)]) for q in range(size)]
+
+        def where(q: int) -> str:
+            return f"rank {q} (host {peers[q]['host']})"
+        key = generation_key(key, generation)
+        acceptor = Acceptor(listeners, rank, {q: 1 for q in range(rank + 1, size)}, key)
+        deadline = time.monotonic() + timeout
+        moot = None if superseded is None else (lambda: superseded(client))
+        socks: Dict[int, socket.socket] = {}
+        try:
+            for q in range(rank):
+                socks[q] = _dial(rank, q, peers[q], mine, machine, key, deadline, where, moot)
+            while not acceptor.wait(min(deadline, time.monotonic() + 0.25)):
+                if moot is not None and moot():
+                    raise Superseded(f"a newer generation replaced {scope}")
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"rank {rank}: within {timeout:g} s no connection came "
+                                       "from " + ", ".join(where(q)
+                                                           for q in acceptor.waiting_for()))
+        except TimeoutError as e:
+            _tell_launcher(rank, f"{me} failed at init: {e}")
+            raise
+        except BaseException:
+            _close_all(socks.values())
+            raise
+        ready = True
     finally:
         client.close()
-    peers = [codec.decode(found[str(q)]) for q in range(size)]
-
-    def where(q: int) -> str:
-        return f"rank {q} (host {peers[q]['host']})"
-    acceptor = Acceptor(listeners, rank, {q: 1 for q in range(rank + 1, size)}, key)
-    deadline = time.monotonic() + timeout
-    socks: Dict[int, socket.socket] = {}
-    try:
-        for q in range(rank):
-            socks[q] = _dial(rank, q, peers[q], mine, machine, key, deadline, where)
-        if not acceptor.wait(deadline):
-            raise TimeoutError(f"rank {rank}: within {timeout:g} s no connection came from "
-                               + ", ".join(where(q) for q in acceptor.waiting_for()))
-    except TimeoutError as e:
-        _tell_launcher(rank, f"{me} failed at init: {e}")
-        raise
-    finally:
-        acceptor.close()
+        if acceptor is None:
+            _close_all(listeners)
+        else:
+            acceptor.close()
+            if not ready:
+                _close_all(s for streams in acceptor.taken().values() for s in streams if s)
     for q, streams in acceptor.taken().items():
         socks[q] = streams[0]
     COMM_WORLD = Comm(Mesh(rank, size, socks, where), list(range(size)), WORLD_CONTEXT)
-    _log.info("rank %d: connected to %d ranks without MPI (rendezvous %s:%d)", rank, size - 1,
-              identity.rendezvous_addr, identity.rendezvous_port)
+    _log.info("rank %d: connected to %d ranks without MPI (rendezvous %s:%d%s)", rank,
+              size - 1, identity.rendezvous_addr, identity.rendezvous_port,
+              f", generation {generation}" if generation else "")
     return COMM_WORLD
+
+
+def _meet(client, scope: str, size: int, timeout: float, hosts, superseded):
+    """Every rank's entry in `scope`; asked in slices when a newer generation may come."""
+    from .rendezvous import RendezvousTimeout
+    keys = [str(q) for q in range(size)]
+
+    def describe(k):
+        return f"rank {k}" + hosts.get(int(k), "")
+    if superseded is None:
+        return client.wait_all(scope, keys, timeout, describe=describe)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return client.wait_all(scope, keys, max(0.0, min(0.25, left)), describe=describe,
+                                   waited=timeout)
+        except RendezvousTimeout:
+            if superseded(client):
+                raise Superseded(f"a newer generation replaced {scope}") from None
+            if left <= 0.25:
+                raise
 
 
 def _launcher_hosts(client, size: int) -> Dict[int, str]:
@@ -148,8 +210,13 @@ def _listen(binds: List[str]) -> List[socket.socket]:
     return listen(binds, os.environ.get("HOROLITE_TCP_PORT_RANGE", ""))
 
 
+def _close_all(socks) -> None:
+    for sock in list(socks):
+        sock.close()
+
+
 def _dial(rank: int, q: int, peer: dict, mine, machine: str, key: bytes, deadline: float,
-          where) -> socket.socket:
+          where, moot=None) -> socket.socket:
     theirs = [tcp_address.Address(*a) for a in peer["addresses"]]
     candidates = (["127.0.0.1"] if peer["machine"] == machine else []) + \
         tcp_address.order_for(mine, theirs, peer["by_name"])
@@ -161,17 +228,22 @@ def _dial(rank: int, q: int, peer: dict, mine, machine: str, key: bytes, deadlin
                                max(0.5, deadline - time.monotonic()))
             except (OSError, HelloRefused) as e:
                 tried.append(f"{addr}: {e}")
+        if moot is not None and moot():
+            raise Superseded(f"a newer generation replaced the one {where(q)} was in")
         if time.monotonic() >= deadline:
             raise TimeoutError(f"rank {rank} could not reach {where(q)} at any of "
                                f"{candidates} port {peer['port']}: " + "; ".join(tried[-3:]))
         time.sleep(0.05)
 
 
-def close_world() -> None:
-    """At process exit: the connections and the rendezvous this process served."""
-    global _server
+def close_world(keep_server: bool = False) -> None:
+    """At process exit (or between two generations of an elastic job, keeping the
+    rendezvous this process serves): the connections, and that rendezvous."""
+    global _server, COMM_WORLD
     if COMM_WORLD is not None:
         COMM_WORLD.mesh.close()
-    if _server is not None:
+        if keep_server:
+            COMM_WORLD = None
+    if _server is not None and not keep_server:
         _server.close()
         _server = None

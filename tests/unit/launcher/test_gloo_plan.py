@@ -44,9 +44,14 @@ def test_what_gloo_cannot_honour_is_refused(argv, message):
         config(argv + ["-np", "2", "t"])
 
 
-def test_gloo_with_elastic_flags_is_refused(capsys):
-    assert lmain.main(["--gloo", "--min-np", "1", "-np", "2", "-H", "a:2", "t"]) == 2
-    assert "--gloo does not run elastic jobs" in capsys.readouterr().err
+@pytest.mark.parametrize("argv,message", [
+    (["--host-discovery-script", "d.sh"], "--gloo does not take --host-discovery-script"),
+    (["--min-np", "1", "--max-np", "3"], "--max-np needs --host-discovery-script"),
+    (["--min-np", "3"], "--min-np 3 is more than -np 2"),
+])
+def test_gloo_elastic_flags_it_cannot_honour_are_refused(capsys, argv, message):
+    assert lmain.main(["--gloo", "-np", "2", *argv, "t"]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_zero_timeout_is_refused(capsys):

@@ -1,0 +1,74 @@
+"""An elastic job without MPI whose survivors go on in their running processes.
+
+The same least-squares training as elastic_train.py (its result does not depend on how
+many ranks run it), started once by ``horolite-run --gloo --min-np``. Per worker
+(HOROLITE_ELASTIC_WORKER, the same name across generations) it writes into OUTDIR:
+``pid.<worker>`` (to kill), ``steps.<worker>`` (``<generation> <rank> <size> <step>
+<time>`` per step), ``resets.<worker>`` (``<generation> <size> <pid>`` per reset) and at
+the end ``final.<worker>.npy``. Training in a tf.function? See elastic_in_process_tf.py.
+"""
+import argparse
+import os
+import pickle
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from elastic_train import DIM, GLOBAL, LR, batch, gradient  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("outdir")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--commit-every", type=int, default=3)
+    p.add_argument("--sleep", type=float, default=0.05, help="seconds per step")
+    args = p.parse_args()
+
+    import horolite as hvd
+    from horolite.elastic import ObjectState, run_fn
+    from horolite.elastic import in_process
+    hvd.init()
+    me = os.environ["HOROLITE_ELASTIC_WORKER"]
+    out = lambda name: os.path.join(args.outdir, f"{name}.{me}")  # noqa: E731
+    with open(out("pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+    def bcast_object(obj):
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if hvd.rank() == 0 else None
+        n = hvd.broadcast(np.array([0 if data is None else data.size]), 0, name="obj.len")
+        data = hvd.broadcast(data if data is not None else np.empty(int(n[0]), np.uint8), 0,
+                             name="obj.data")
+        return pickle.loads(data.tobytes())
+
+    state = ObjectState(bcast_object, hvd.rank, w=np.zeros(DIM), step=0)
+
+    def on_reset():
+        with open(out("resets"), "a") as f:
+            f.write(f"{in_process.generation()} {hvd.size()} {os.getpid()}\n")
+    state.register_reset_callbacks([on_reset])
+
+    @run_fn
+    def train(state):
+        log = open(out("steps"), "a")
+        while state.step < args.steps:
+            size, rank = hvd.size(), hvd.rank()
+            x, y = batch(state.step)
+            part = slice(rank * GLOBAL // size, (rank + 1) * GLOBAL // size)
+            g = hvd.allreduce(gradient(state.w, x[part], y[part]), op=hvd.Average, name="grad")
+            state.w = state.w - LR * g
+            state.step += 1
+            log.write(f"{in_process.generation()} {rank} {size} {state.step} {time.time():.6f}\n")
+            log.flush()
+            time.sleep(args.sleep)
+            if state.step % args.commit_every == 0:
+                state.commit()
+
+    train(state)
+    np.save(out("final") + ".npy", state.w)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
