@@ -2,151 +2,145 @@
 
 Without MPI the world is horolite's own, so it can change under running processes.
 This driver serves the job's rendezvous for the job's whole life and numbers its
-worlds ("generations"): it starts -np workers as generation 0, and when a worker's
-process ends with a failure, or the survivors name one that stopped answering (they
-put whom they blame at the rendezvous), it evicts that worker (that rank alone, not its
-host: horovod#1965) and puts the next generation's plan at the rendezvous. The
-survivors, whose step failed, read it and form the new world in their running
-processes (horolite/elastic/in_process.py): nothing is started, imported or traced
-again. A worker's rank in a new world keeps the order of the last one, so rank 0 is
-the oldest survivor, from which every rank syncs its state.
+worlds ("generations"), each a plan of workers in rank order put at the rendezvous
+(horolite/elastic/in_process.py is the ranks' side):
 
-The job ends when every worker has ended: 0 when the last ones ended well; with the
-error when the training code raised (it is not retried), when fewer than --min-np
-workers are left, or past --reset-limit. Standard library only, like the rest of the
-launcher.
+- **A worker fails** (its process ends with an error, or the survivors name it at the
+  rendezvous as the rank that stopped answering): it alone is evicted, not its host
+  (horovod#1965), and the next plan is the survivors in their old order, so rank 0 is
+  the oldest survivor, from which every rank syncs its state. The survivors' step
+  failed; they form the new world in their running processes.
+- **A slot is free** (a failed worker's, or a host the discovery script added): a
+  worker is started there. It imports and builds while the others train, says at the
+  rendezvous that it is ready, and the next plan adds it; the others move to that plan
+  at their next commit (HostsUpdatedInterrupt) and it receives the state by broadcast.
+- **A host is gone** from discovery: the next plan leaves its workers out; they end at
+  the others' next commit.
+
+A worker that fails before it ever joined counts against its host, which is then
+blacklisted as --blacklist-cooldown-range says. The job ends when every worker has
+ended: 0 when the last ones ended well; 1 when the training code raised (it is not
+retried), when fewer than --min-np workers are left, or past --reset-limit.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Dict, List, Optional
 
 from . import gloo
-from .markers import marker_line, parse_marker
+from . import hosts as hostlib
+from .elastic_workers import Worker, plan_for
+from .host_pool import DiscoveryScript, FixedHosts, HostPool, assign
 
-__all__ = ["run_elastic_gloo", "plan_for", "WORKER", "GENERATION_TIMEOUT"]
+__all__ = ["run_elastic_gloo", "WORKER", "JOIN", "GENERATION_TIMEOUT"]
 
 WORKER = "HOROLITE_ELASTIC_WORKER"  # a worker's name for the whole job ("w0", "w1", ...)
+JOIN = "HOROLITE_ELASTIC_JOIN"  # set on a worker started after generation 0
 GENERATION_TIMEOUT = "HOROLITE_ELASTIC_TIMEOUT"  # how long a survivor waits for a new world
-SCOPE = "elastic"  # the rendezvous scope of the plans and the survivors' blame
+SCOPE = "elastic"  # the rendezvous scope of the plans, the blame and the newcomers
 POLL_SECONDS = 0.02
+DISCOVERY_SECONDS = 1.0  # Horovod asks its discovery script about once a second
+# A worker the survivors name as lost whose process has not ended this long after is
+# taken for hung (stopped, or on a host cut off) and ended.
+BLAME_GRACE_SECONDS = 0.25
 
 
 def _log(message: str) -> None:
     print(f"horolite-run: elastic: {message}", file=sys.stderr, flush=True)
 
 
-def plan_for(generation: int, workers: List[str], hosts: Dict[str, str]) -> dict:
-    """Generation `generation`'s world: `workers` in rank order, each placed as
-    gloo.layout places ranks (local and cross ranks from the hosts)."""
-    slots = gloo.slots_for([hosts[w] for w in workers])
-    return {"generation": generation, "size": len(workers),
-            "ranks": [dict(dataclasses.asdict(slot), worker=w)
-                      for w, slot in zip(workers, slots)]}
-
-
-class _Worker:
-    """One started process (its rank wrapper, or the ssh to it) and its output relays."""
-
-    def __init__(self, name: str, spec: dict, cwd: str, on_marker):
-        self.name, self.host, self.rank = name, spec["host"], spec["rank"]
-        self.remote = spec["remote"]
-        env = None if self.remote else dict(os.environ, **spec["env"])
-        self.proc = subprocess.Popen(spec["argv"], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE,
-                                     stdin=subprocess.PIPE if self.remote else subprocess.DEVNULL)
-        self.evicted: Optional[str] = None  # why, once evicted
-        self.relays = [threading.Thread(target=self._relay, args=(pipe, out, on_marker),
-                                        daemon=True)
-                       for pipe, out in ((self.proc.stdout, 1), (self.proc.stderr, 2))]
-        for relay in self.relays:
-            relay.start()
-        if self.remote:
-            self.tell(json.dumps({"env": spec["env"], "cwd": cwd}))
-
-    def tell(self, line: str) -> None:
-        try:
-            self.proc.stdin.write(line.encode() + b"\n")
-            self.proc.stdin.flush()
-        except (OSError, ValueError):
-            pass
-
-    def _relay(self, pipe, out: int, on_marker) -> None:
-        for line in iter(pipe.readline, b""):
-            marker = marker_line(line)
-            if marker is not None:
-                parsed = parse_marker(marker.decode("utf-8", "replace"))
-                if parsed is not None:
-                    on_marker(self, *parsed)
-                continue
-            try:
-                os.write(out, line)
-            except OSError:
-                pass
-
-    def stop(self, signum: int = signal.SIGTERM) -> None:
-        """The wrapper forwards it to the command's group, then SIGKILLs what is left."""
-        if self.proc.poll() is not None:
-            return
-        if self.remote:
-            self.tell(signal.Signals(signum).name)
-        else:
-            try:
-                os.kill(self.proc.pid, signum)
-            except ProcessLookupError:
-                pass
-
-    def how(self) -> str:
-        code = self.proc.returncode
-        if code is not None and code < 0:
-            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
-        if code is not None and code > 128 and code - 128 < signal.NSIG:
-            return f"was killed by signal {code - 128} ({signal.Signals(code - 128).name})"
-        return f"exited with code {code}"
-
-
 class _Driver:
-    def __init__(self, config, min_np: int, reset_limit: Optional[int], timeout: float):
-        self.config, self.min_np, self.reset_limit, self.timeout = config, min_np, reset_limit, timeout
-        self.job = gloo.GlooJob(config)
-        self.workers: List[_Worker] = []
+    def __init__(self, config, ecfg):
+        self.config, self.ecfg = config, ecfg
+        if ecfg.script:
+            discovery = DiscoveryScript(ecfg.script, ecfg.slots_per_host)
+        else:
+            hosts = config.hosts or (("localhost", ecfg.num_proc),)
+            discovery = FixedHosts(hosts, ",".join(f"{h}:{n}" for h, n in hosts))
+        self.pool = HostPool(discovery, ecfg.cooldown)
+        self.workers: List[Worker] = []
+        self.members: List[Worker] = []  # the current generation's, in rank order
         self.user_error: Optional[str] = None
         self.generation, self.resets = 0, 0
-        self.members: List[_Worker] = []
+        self.stopping: Optional[int] = None
+        self.changed = False  # members were evicted since the last plan
+        self.blamed_at: Dict[Worker, float] = {}
+        self.said: List[str] = []  # why, for the next plan's log line
 
-    def _on_marker(self, worker: _Worker, kind: str, fields: dict) -> None:
+    # --- starting workers ---
+    def _address(self, host: str) -> str:
+        if host not in self.addresses:
+            self.addresses.update(gloo.rendezvous_addresses(
+                [host], self.config.network_interface)[1])
+        return self.addresses[host]
+
+    def _start(self, host: str, joining: bool, slots=None) -> Worker:
+        """A worker on `host`: as rank len(workers) of `slots` (generation 0), or to join."""
+        index = len(self.workers)
+        name = f"w{index}"
+        slots = slots or [gloo.RankSlot(index, host, 0, 1, 0, 1)]
+        spec = gloo.build_plan(self.config, slots, {s.host: self._address(s.host) for s in slots},
+                               self.server.port, self.key, self.environ, self.cwd)["ranks"]
+        spec = spec[index] if len(spec) > 1 else spec[0]
+        spec["env"].update({WORKER: name, GENERATION_TIMEOUT: f"{self.ecfg.timeout:g}"})
+        if joining:  # (its place comes with the plan that adds it; the prefix is its number)
+            for prefix in ("HOROLITE_", "HOROVOD_"):
+                for what in ("SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"):
+                    spec["env"].pop(prefix + what, None)
+            spec["env"][JOIN] = "1"
+        worker = Worker(name, spec, self.cwd, self._on_marker)
+        worker.joining = joining
+        self.workers.append(worker)
+        return worker
+
+    def _on_marker(self, worker: Worker, kind: str, fields: dict) -> None:
         if kind == "elastic" and fields.get("event") == "user-error":
             self.user_error = self.user_error or \
                 f"{worker.name} (host {worker.host}): {fields.get('text', 'it raised')}"
 
+    def _wanted(self) -> Dict[str, int]:
+        return dict(assign(self.pool.available(), self.ecfg.max_np))
+
+    def _first_hosts(self) -> List[str]:
+        deadline = time.monotonic() + self.ecfg.timeout
+        while True:
+            wanted = self._wanted()
+            if sum(wanted.values()) >= self.ecfg.num_proc:
+                return [h for h, n in wanted.items() for _ in range(n)]
+            if not self.pool.can_change() or time.monotonic() >= deadline:
+                raise RuntimeError(f"need {self.ecfg.num_proc} slots: {self.pool.describe()}")
+            time.sleep(DISCOVERY_SECONDS)
+            self.pool.refresh()
+
+    # --- the job ---
     def run(self) -> int:
         from horolite.world.rendezvous import HOSTS, RendezvousServer
-        key = secrets.token_bytes(32)
-        self.server = RendezvousServer(key, host=self.job.bind, port=0)
-        slots = self.job.slots
-        self.server.put(*HOSTS, "\n".join(s.host for s in slots).encode())
-        plan = gloo.build_plan(self.config, slots, self.job.addresses, self.server.port, key,
-                               self.job.environ, os.getcwd())
-        names = [f"w{s.rank}" for s in slots]
-        self.hosts = {name: s.host for name, s in zip(names, slots)}
-        self._publish(names)
+        self.pool.refresh(first=True)
+        self.key, self.environ, self.cwd = secrets.token_bytes(32), dict(os.environ), os.getcwd()
+        first = self._first_hosts()
+        remote = self.ecfg.script or any(not hostlib.is_local(h) for h in first)
+        self.bind = "0.0.0.0" if remote else "127.0.0.1"
+        self.addresses: Dict[str, str] = {}
+        self.server = RendezvousServer(self.key, host=self.bind, port=0)
+        self.server.put(*HOSTS, "\n".join(first).encode())
         previous = {sig: signal.signal(sig, self._on_signal)
                     for sig in (signal.SIGINT, signal.SIGTERM)}
-        self.stopping = None
         try:
-            for name, spec in zip(names, plan["ranks"]):
-                spec["env"].update({WORKER: name, GENERATION_TIMEOUT: f"{self.timeout:g}"})
-                self.workers.append(_Worker(name, spec, plan["cwd"], self._on_marker))
-            self.members = list(self.workers)
+            slots = gloo.slots_for(first)
+            self.members = [self._start(h, joining=False, slots=slots) for h in first]
+            self._publish_plan(self.members)
+            _log(f"generation 0: {len(first)} ranks on "
+                 f"{', '.join(f'{h}:{n}' for h, n in self._count(self.members).items())}")
             return self._watch()
+        except RuntimeError as e:
+            _log(f"the job fails: {e}")
+            return 1
         finally:
             for worker in self.workers:
                 worker.stop(signal.SIGTERM)
@@ -155,6 +149,7 @@ class _Driver:
                     worker.proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     worker.proc.kill()
+                worker.join_relays(5)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.server.close()
@@ -162,79 +157,172 @@ class _Driver:
     def _on_signal(self, signum, frame) -> None:
         self.stopping = signum
 
-    def _publish(self, names: List[str]) -> None:
-        plan = plan_for(self.generation, names, self.hosts)
+    @staticmethod
+    def _count(workers) -> Dict[str, int]:
+        found: Dict[str, int] = {}
+        for w in workers:
+            found[w.host] = found.get(w.host, 0) + 1
+        return found
+
+    def _publish_plan(self, workers) -> None:
+        plan = plan_for(self.generation, [w.name for w in workers], {w.name: w.host for w in workers})
         self.server.put(SCOPE, f"plan.{self.generation}", json.dumps(plan).encode())
         self.server.put(SCOPE, "latest", str(self.generation).encode())
+        self.ranked = list(workers)  # (what a blame's rank numbers mean)
+        for rank, w in enumerate(workers):
+            w.rank = rank
 
-    def _blamed(self) -> Dict[_Worker, str]:
-        """Members of this generation whom a survivor named as the failure's cause."""
+    def _said(self, prefix: str) -> Dict[str, str]:
+        """{worker name: value} of the rendezvous keys `<prefix>.<name>`."""
+        return {key[len(prefix) + 1:]: value.decode() for key, value in
+                self.server.items(SCOPE).items() if key.startswith(prefix + ".")}
+
+    def _blamed(self) -> Dict[Worker, str]:
+        """Members of this generation whom a survivor named as its failure's cause."""
         found = {}
-        for key, value in self.server.items(SCOPE).items():
-            parts = key.split(".")
-            if parts[0] != "blame" or parts[1] != str(self.generation) or not value:
-                continue
-            rank = int(value)
-            if 0 <= rank < len(self.members):
-                found[self.members[rank]] = f"named by {parts[2]} as the failure's cause"
+        blames = self._said(f"blame.{self.generation}")
+        for who, ranks in blames.items():
+            for rank in ranks.split(","):
+                # A rank that blamed someone itself left the world on purpose (it said so
+                # before closing its connections): whoever saw those close is not told
+                # of a loss.
+                if rank.isdigit() and int(rank) < len(self.ranked) and \
+                        self.ranked[int(rank)].name in blames:
+                    continue
+                if rank.isdigit() and int(rank) < len(self.ranked) and \
+                        self.ranked[int(rank)] in self.members:
+                    found[self.ranked[int(rank)]] = f"was named by {who} as a rank it lost"
         return found
 
     def _watch(self) -> int:
+        next_discovery = time.monotonic() + DISCOVERY_SECONDS
+        short_since = None  # when fewer than --min-np survivors were left
         while True:
             if self.stopping is not None:
                 _log(f"stopped by {signal.Signals(self.stopping).name}")
                 return 128 + self.stopping
-            lost = []
-            for worker in self.members:
-                if worker.proc.poll() is not None and worker.proc.returncode != 0:
-                    lost.append((worker, worker.how()))
-            for worker, why in self._blamed().items():
-                if worker.proc.poll() is None:
-                    worker.stop(signal.SIGTERM)  # (a hung rank: the wrapper SIGKILLs it)
-                if all(w is not worker for w, _ in lost):
-                    lost.append((worker, why))
             if self.user_error is not None:
-                for worker in self.workers:
-                    for relay in worker.relays:
-                        relay.join(timeout=1)
                 _log(f"the training code raised on {self.user_error}: an elastic job is not "
                      "retried for an error of its own")
                 return 1
+            lost = [(w, w.how()) for w in self.members if w.failed()]
+            for worker, why in self._blamed().items():
+                if any(w is worker for w, _ in lost) or worker.proc.poll() is not None:
+                    continue  # (its end says more than the blame: it is seen next turn)
+                first = self.blamed_at.setdefault(worker, time.monotonic())
+                if time.monotonic() - first >= BLAME_GRACE_SECONDS:
+                    worker.stop(signal.SIGTERM)  # (a rank that hangs: its wrapper SIGKILLs it)
+                    lost.append((worker, why))
             if lost:
-                code = self._next_generation(lost)
-                if code is not None:
-                    return code
-            elif all(w.proc.poll() is not None for w in self.members):
-                for worker in self.workers:
-                    for relay in worker.relays:
-                        relay.join(timeout=5)
-                return 0
+                self._evict(lost)
+            self._newcomers_that_failed()
+            if time.monotonic() >= next_discovery:
+                next_discovery = time.monotonic() + DISCOVERY_SECONDS
+                self.pool.refresh()
+            leaving = self._leaving()
+            ready = [w for w in self._pending() if w.name in self._said("ready")]
+            if self.changed or leaving or ready:
+                if len(self.members) - len(leaving) + len(ready) >= self.ecfg.min_np:
+                    short_since = None
+                    code = self._next_generation(leaving, ready)
+                    if code is not None:
+                        return code
+                else:
+                    if short_since is None:
+                        short_since = time.monotonic()
+                        _log(f"{len(self.members)} rank(s) left, fewer than --min-np "
+                             f"{self.ecfg.min_np}: waiting up to --elastic-timeout "
+                             f"{self.ecfg.timeout:g} s for new ones; {self.pool.describe()}")
+                    self._fill_free_slots(short=True)
+                    if time.monotonic() - short_since > self.ecfg.timeout or \
+                            not (self._pending() or self.pool.can_change()):
+                        _log(f"{len(self.members)} rank(s) left, fewer than --min-np "
+                             f"{self.ecfg.min_np}, and no more can come in time: the job "
+                             f"fails; {self.pool.describe()}")
+                        return 1
+            elif self.members and all(w.proc.poll() is not None for w in self.members):
+                return 0 if all(w.proc.returncode == 0 for w in self.members) else 1
+            if any(w.proc.returncode == 0 for w in self.members):
+                self._finishing()
+            else:
+                self._fill_free_slots()
             time.sleep(POLL_SECONDS)
 
-    def _next_generation(self, lost) -> Optional[int]:
+    def _finishing(self) -> None:
+        """A member ended well: training is over. Workers that never entered a world
+        (started to join, or planned in but never met) can only wait: they are stopped."""
+        entered = self._said("entered")
+        for w in list(self.members) + self._pending():
+            if w.joining and w.name not in entered and w.proc.poll() is None:
+                w.stop(signal.SIGTERM)
+                w.evicted = "was stopped: training ended before it joined"
+                if w in self.members:
+                    self.members.remove(w)
+                _log(f"{w.name} (host {w.host}) {w.evicted}")
+
+    def _evict(self, lost) -> None:
         for worker, why in lost:
             worker.evicted = why
-        gone = {w for w, _ in lost}
-        self.members = [w for w in self.members if w not in gone]
-        said = "; ".join(f"rank {w.rank} ({w.name}, host {w.host}) {why}" for w, why in lost)
-        if len(self.members) < self.min_np:
-            _log(f"generation {self.generation}: {said}; {len(self.members)} rank(s) left, "
-                 f"fewer than --min-np {self.min_np}: the job fails")
-            return 1
+            self.said.append(f"rank {worker.rank} ({worker.name}, host {worker.host}) {why}")
+        self.members = [w for w in self.members if w.evicted is None]
+        self.changed = True
+
+    def _leaving(self) -> List[Worker]:
+        """Members beyond what their host still offers (the newest go first)."""
+        wanted, leaving = self._wanted(), []
+        for host, count in self._count(self.members).items():
+            extra = count - wanted.get(host, 0)
+            if extra > 0:
+                leaving += [w for w in self.members if w.host == host][-extra:]
+        return leaving
+
+    def _pending(self) -> List[Worker]:
+        """Workers started to join that have not yet been put in a plan."""
+        return [w for w in self.workers if w.joining and w.evicted is None
+                and w not in self.members and w.proc.poll() is None]
+
+    def _newcomers_that_failed(self) -> None:
+        for w in self.workers:
+            if w.joining and w.evicted is None and w not in self.members and w.failed():
+                w.evicted = w.how()
+                self.pool.blacklist_host(w.host, f"{w.name} {w.evicted} before it joined")
+                _log(f"{w.name} (host {w.host}) {w.evicted} before it joined; "
+                     f"{self.pool.describe()}")
+
+    def _fill_free_slots(self, short: bool = False) -> None:
+        """Start workers in the slots nobody holds, once the current generation has formed
+        (a new process's start would slow the survivors' recovery on a busy host), or at
+        once when too few are left to form one (`short`)."""
+        entered = self._said("entered")
+        if not short and self.changed or (not short and self.generation and any(
+                int(entered.get(w.name, -1)) < self.generation for w in self.members)):
+            return
+        placed = self._count(self.members + self._pending())
+        for host, slots in self._wanted().items():
+            for _ in range(slots - placed.get(host, 0)):
+                worker = self._start(host, joining=True)
+                _log(f"{worker.name} starts on {host}, to join at the next commit")
+
+    def _next_generation(self, leaving, ready) -> Optional[int]:
+        failed = self.changed
+        said = self.said + [f"rank {w.rank} ({w.name}) leaves: host {w.host} offers fewer "
+                            "slots" for w in leaving] + \
+            [f"{w.name} (host {w.host}) joins" for w in ready]
+        self.said, self.changed = [], False
         self.resets += 1
-        if self.reset_limit is not None and self.resets > self.reset_limit:
-            _log(f"generation {self.generation}: {said}; that is reset {self.resets}, more "
-                 f"than --reset-limit {self.reset_limit}: the job fails")
+        if self.ecfg.reset_limit is not None and self.resets > self.ecfg.reset_limit:
+            _log(f"generation {self.generation}: {'; '.join(said)}; that is reset "
+                 f"{self.resets}, more than --reset-limit {self.ecfg.reset_limit}: the job fails")
             return 1
         self.generation += 1
-        for rank, worker in enumerate(self.members):
-            worker.rank = rank
-        self._publish([w.name for w in self.members])
-        _log(f"generation {self.generation - 1}: {said}; generation {self.generation}: "
-             f"{len(self.members)} rank(s) go on in their running processes")
+        self.members = [w for w in self.members if w not in leaving] + ready
+        self._publish_plan(self.members)
+        _log(f"generation {self.generation - 1}: {'; '.join(said)}; generation "
+             f"{self.generation}: {len(self.members)} rank(s)" +
+             (" go on in their running processes" if failed else ", from the next commit"))
         return None
 
 
-def run_elastic_gloo(config, min_np: int, reset_limit: Optional[int], timeout: float) -> int:
-    """horolite-run's main() for `--gloo` with `--min-np`."""
-    return _Driver(config, min_np, reset_limit, timeout).run()
+def run_elastic_gloo(config, ecfg) -> int:
+    """horolite-run's main() for `--gloo` with `--min-np` or `--host-discovery-script`."""
+    return _Driver(config, ecfg).run()

@@ -163,20 +163,11 @@ def main(args: Optional[Sequence[str]] = None) -> int:
 
 
 def _run_elastic_gloo(parsed) -> int:
-    """--gloo with --min-np: survivors of a failure go on in their running processes."""
+    """--gloo with --min-np or a discovery script: survivors of a failure go on in their
+    running processes, new workers join at a commit (elastic_gloo.py)."""
     from .elastic_gloo import run_elastic_gloo
     try:
-        if parsed.host_discovery_script:
-            raise ValueError("--gloo does not take --host-discovery-script yet (its elastic "
-                             "jobs go on with the survivors of a failure): drop --gloo to "
-                             "grow and shrink the job by restarts over mpirun")
         cfg = elastic_flags.elastic_config(parsed, os.environ, None)
-        for dest, flag in (("max_num_proc", "--max-np"), ("cooldown_range",
-                                                          "--blacklist-cooldown-range"),
-                           ("slots", "--slots-per-host")):
-            if getattr(parsed, dest, None) is not None:
-                raise ValueError(f"{flag} needs --host-discovery-script, which --gloo does not "
-                                 "take yet")
         parsed.num_proc = cfg.num_proc
         config = config_from_args(parsed)
         check_command(config)
@@ -185,7 +176,7 @@ def _run_elastic_gloo(parsed) -> int:
             ssh_check.check_reachable(config)
     except ValueError as e:
         return _error(str(e))
-    return run_elastic_gloo(config, cfg.min_np, cfg.reset_limit, cfg.timeout)
+    return run_elastic_gloo(config, cfg)
 
 
 def _run_mpirun(config: LaunchConfig, install: mpi.MpiInstall):

@@ -26,7 +26,8 @@ HARNESS = ("HOROLITE_UNDER_MPIRUN", "HOROLITE_PROBE_API",
            # set by horolite-run's elastic driver on every rank (horolite/elastic/protocol.py)
            "HOROLITE_ELASTIC_JOB", "HOROLITE_ELASTIC_GENERATION", "HOROLITE_ELASTIC_NOTIFY",
            "HOROLITE_ELASTIC_SEEN", "HOROLITE_ELASTIC_COMMIT_DIR",
-           "HOROLITE_ELASTIC_WORKER")  # (--gloo: launcher/elastic_gloo.py)
+           # (--gloo: launcher/elastic_gloo.py, horolite/world/generations.py)
+           "HOROLITE_ELASTIC_WORKER", "HOROLITE_ELASTIC_JOIN")
 HARNESS_PREFIX = "HOROLITE_TEST_"
 # Who a rank is in a job started without MPI (horolite/world/identity.py; horolite-run
 # --gloo sets them, with Horovod's Gloo names): read at init, never warned about.

@@ -142,13 +142,15 @@ def _run_in_process(func: Callable, state: State, args, kwargs):
         try:
             state.sync()
             return func(state, *args, **kwargs)
+        except HostsUpdatedInterrupt:  # (at a commit: the state is the committed one)
+            in_process.rejoin(None)
         except Exception as e:
             if not is_runtime_failure(e):
                 _name_user_error(e)
                 raise
             state.restore()
             in_process.rejoin(e)
-            state.on_reset()
+        state.on_reset()
 
 
 def _name_user_error(exc: BaseException) -> None:

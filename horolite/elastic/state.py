@@ -18,7 +18,7 @@ from ..api import basics
 from ..api.collectives import allreduce
 from ..core.ops import Max
 from ..errors import HostsUpdatedInterrupt
-from . import protocol
+from . import in_process, protocol
 from .durable import CommitStore, Key
 from .session import current, log
 
@@ -77,6 +77,9 @@ class State:
             if timestamp > newest:
                 newest, update = timestamp, update | int(result)
         session = current()
+        if in_process.enabled():
+            self._check_generation()
+            return
         if session is not None:
             number, removed_only = protocol.read_update(session.notify)
             if number > newest:
@@ -90,6 +93,17 @@ class State:
         previous, self._last_updated_timestamp = self._last_updated_timestamp, newest
         if newest > previous:
             raise HostsUpdatedInterrupt(update == _REMOVED)
+
+    def _check_generation(self) -> None:
+        """A job whose ranks go on in-process: rank 0 asks horolite-run's rendezvous
+        whether a newer generation was announced (a worker ready to join, a host gone),
+        and every rank moves at this same commit."""
+        newer = basics.rank() == 0 and in_process.newest_announced() > in_process.generation()
+        if basics.size() > 1:
+            newer = bool(allreduce(np.array([int(newer)], dtype=np.int64), op=Max,
+                                   name="horolite.elastic.check_generation")[0])
+        if newer:
+            raise HostsUpdatedInterrupt(False)
 
     def save(self) -> None:
         """Save the state to host memory."""

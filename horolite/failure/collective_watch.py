@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence, Union
 
+from ..core.mpi_library import without_mpi
 from ..errors import StallError
 from .channel import FailureChannel, PeerFailure
 from .heartbeat import Heartbeat
@@ -56,6 +57,9 @@ class CollectiveWatch:
             self.also()
         if self.heartbeat is not None and self.heartbeat.links is not None:
             self.heartbeat.links.check()  # raises LinkLost before MPI progresses again
+        if without_mpi():  # (a wait elsewhere, on shared memory, hears of it here)
+            from ..world import sockets
+            sockets.check_lost()
         notice = self.channel.check()
         if notice is not None:
             raise PeerFailure(notice)
@@ -88,10 +92,15 @@ class CollectiveWatch:
                    f"{self.channel.where(self.rank)}"
             setting = f"HOROLITE_STALL_SHUTDOWN_TIME_SECONDS={self.shutdown_after:g}"
             if silent:
-                raise StallError(f"{here}: {self.silence_text(silent)} ({setting}); "
-                                 "shutting the job down")
-            raise StallError(f"{here}, waiting for {self.peers_text(peers)} ({setting}); "
-                             "shutting the job down")
+                error = StallError(f"{here}: {self.silence_text(silent)} ({setting}); "
+                                   "shutting the job down")
+                error.horolite_lost = sorted(silent)
+                raise error
+            error = StallError(f"{here}, waiting for {self.peers_text(peers)} ({setting}); "
+                               "shutting the job down")
+            if peers is not None:  # (the ranks an elastic job without MPI evicts)
+                error.horolite_lost = [peers] if isinstance(peers, int) else sorted(peers)
+            raise error
 
     def silence_text(self, silent) -> str:
         """'no word from rank 2 (host node2), rank 3 (host node2) for 12 s'."""

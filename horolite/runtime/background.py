@@ -261,6 +261,8 @@ class Runtime(Cycle, JobEnd):
         self.queue.wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            if self._hard_exit is not None and exiting is None:
+                self._hard_exit.set()  # (armed by a failure the thread found as it stopped)
             if self._thread.is_alive():
                 _log.warning("rank %d: background thread did not stop within %.0f s "
                              "(another rank may have died); giving up on it", self.rank, timeout)
@@ -316,3 +318,5 @@ class Runtime(Cycle, JobEnd):
                 f"{self.failures.where(self.rank)}: horolite's background thread failed: {e!r}"))
         if self.lane is not None:
             self.lane.close()
+        if self.doomed is not None and self.transport.cross_host is not None:
+            self.transport.cross_host.abort()  # (peers waiting on this rank fail at once)

@@ -29,6 +29,20 @@ _log = logging.getLogger("horolite")
 # Seconds a rank whose job cannot go on has to end by itself (its user code raising the
 # error) before it ends itself: a rank asleep in user code must not keep the job alive.
 EXIT_GRACE_SECONDS = 3.0
+# How long a rank that lost one of horolite's connections looks for another rank's notice
+# first: a peer leaving a failed job closes its connections right after it heard one.
+LOST_NOTICE_SECONDS = 0.1
+# The same in an elastic job whose ranks recover in-process (horolite-run --gloo
+# --min-np): its code is expected to handle the failure, which takes a restore and a
+# shutdown() that may wait for a busy machine.
+IN_PROCESS_GRACE_SECONDS = 30.0
+
+
+def _exit_grace() -> float:
+    from ..core.mpi_library import without_mpi
+    from ..world import generations
+    return IN_PROCESS_GRACE_SECONDS if without_mpi() and generations.worker() else \
+        EXIT_GRACE_SECONDS
 
 
 class JobEnd:
@@ -73,10 +87,10 @@ class JobEnd:
         soon even if its user code is stuck elsewhere (failure.hard_exit_after)."""
         if notice is not None and notice.rank != self.rank:
             _log.error("rank %d: %s; failing this rank's collectives", self.rank, notice.text)
-            launcher_marker("stopped", rank=self.rank, by=notice.rank, text=notice.text)
+            launcher_marker("stopped", rank=self.rank, by=notice.cause, text=notice.text)
             self.failures.acknowledge()
             error = HorovodInternalError(notice.text)
-            error.horolite_peer = notice.rank
+            error.horolite_peer = notice.cause
         elif notice is not None:  # this rank's own notice (report_exception)
             error = self.doomed
         else:  # found on this rank: fail its collectives, then tell the others
@@ -137,16 +151,50 @@ class JobEnd:
 
     def _end_for_lost_link(self, lost) -> None:
         """A peer's connection closed (failure/links.py), or MPI failed and a peer is gone:
-        fail this rank's collectives naming it."""
+        fail this rank's collectives naming it. On horolite's own connections, tell the
+        others too (below), unless one of them already told this rank of a failure: a
+        peer that leaves a failed job closes its connections, and it is not the cause."""
+        if lost.own:
+            notice = self._notice_within(LOST_NOTICE_SECONDS)
+            if notice is not None:
+                self._end_for_failure(notice)
+                return
+            mesh = self.transport.cross_host
+            lost = mesh.lost if mesh is not None and mesh.lost is not None else lost
         text = f"{self.failures.where(self.rank)}: {lost}"
         _log.error("rank %d: %s; failing this rank's collectives", self.rank, lost)
         launcher_marker("stopped", rank=self.rank, by=lost.ranks[0], text=text)
         error = HorovodInternalError(text)
         error.horolite_peer = lost.ranks[0]
+        error.horolite_lost = list(lost.ranks)  # (the ranks an elastic job without MPI evicts)
+        if lost.own:  # (told before this rank's user code hears of it, and may end)
+            self._announce_gone(lost)
         self._doom(error)
-        # No notice to the others: any MPI call now could make MPI progress the collectives
-        # this rank abandoned, which send to that peer. They see the link close themselves,
-        # or hear from the launcher (and under mpirun, MPI's own cleanup ends the job).
+        # Over MPI's own links no notice: any MPI call now could make MPI progress the
+        # collectives this rank abandoned, which send to that peer. They see the link close
+        # themselves, or hear from the launcher (and under mpirun, MPI's cleanup ends the job).
+
+    def _notice_within(self, seconds: float):
+        """Another rank's failure notice, if one arrives within `seconds`."""
+        deadline = time.monotonic() + seconds
+        while True:
+            notice = self.failures.check()
+            if notice is not None and notice.rank != self.rank:
+                return notice
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.002)
+
+    def _announce_gone(self, lost) -> None:
+        """Tell the other ranks that the peer behind `lost` is gone, naming it as the
+        failure's origin (failure/channel.py), so those with no connection to it name it."""
+        gone = lost.ranks[0]
+        text = f"{self.failures.where(gone)} is gone ({self.failures.where(self.rank)}: {lost})"
+        try:
+            self.failures.announce_gone(gone, text)
+        except Exception as e:  # (MPI itself failing: the others still see links close)
+            _log.debug("rank %d: could not tell the others that rank %d is gone: %r",
+                       self.rank, gone, e)
 
     def _doom(self, error: BaseException) -> None:
         """This rank cannot go on: its collectives fail, every process set's on it too."""
@@ -155,7 +203,7 @@ class JobEnd:
         self.doomed = self.doomed or error
         self._fail_pending(error)
         if self._hard_exit is None:
-            self._hard_exit = hard_exit_after(EXIT_GRACE_SECONDS, 1, f"rank {self.rank}: {error}",
+            self._hard_exit = hard_exit_after(_exit_grace(), 1, f"rank {self.rank}: {error}",
                                               before=remove_mapped)
         if first:
             for other in registry.runtimes():

@@ -63,6 +63,12 @@ def open_world(environ: Mapping[str, str] = os.environ):
     from . import identity as identity_mod
     if mpi_library.chosen() is not None:
         return mpi_library.chosen()
+    from . import generations
+    if generations.joining(environ):  # (horolite-run --gloo started it to join a running job)
+        wait = generations.wait_seconds(environ)
+        generations.join(environ, lambda found, generation, superseded: _open_sockets(
+            found, environ, generation, superseded, wait))
+        return mpi_library.chosen()
     found: Optional[identity_mod.Identity] = identity_mod.from_environ(environ)
     if found is not None and found.source.startswith("Slurm") and _srun_gave_pmi(environ):
         names = _mpi_of_size(found.size)  # srun --mpi=pmi2: an MPI job, as always
@@ -83,7 +89,8 @@ def open_world(environ: Mapping[str, str] = os.environ):
     return _open_sockets(found, environ)
 
 
-def _open_sockets(found, environ: Mapping[str, str], generation: int = 0, superseded=None):
+def _open_sockets(found, environ: Mapping[str, str], generation: int = 0, superseded=None,
+                  timeout: Optional[float] = None):
     global _identity
     from . import identity as identity_mod
     from . import sockets
@@ -91,8 +98,8 @@ def _open_sockets(found, environ: Mapping[str, str], generation: int = 0, supers
     from ..core.settings import env_value
     settings_iface = env_value("TCP_IFACE", environ) or env_value("GLOO_IFACE", environ) or ""
     key = identity_mod.job_key(environ) if found.size > 1 or generation else None
-    sockets.open_world(found, key, gloo_timeout(environ), settings_iface, generation,
-                       superseded)
+    sockets.open_world(found, key, gloo_timeout(environ) if timeout is None else timeout,
+                       settings_iface, generation, superseded)
     mpi_library.use(sockets)
     _identity = found
     return sockets

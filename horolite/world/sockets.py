@@ -236,6 +236,13 @@ def _dial(rank: int, q: int, peer: dict, mine, machine: str, key: bytes, deadlin
         time.sleep(0.05)
 
 
+def check_lost() -> None:
+    """Raise the LinkLost of the first connection of this world that closed, if any."""
+    mesh = COMM_WORLD.mesh if COMM_WORLD is not None else None
+    if mesh is not None and mesh.lost:
+        raise mesh.lost[min(mesh.lost)]
+
+
 def close_world(keep_server: bool = False) -> None:
     """At process exit (or between two generations of an elastic job, keeping the
     rendezvous this process serves): the connections, and that rendezvous."""

@@ -1,5 +1,5 @@
-"""Elastic jobs without MPI end to end on this host: real horolite-run --gloo, real kill -9,
-survivors that go on in their running processes.
+"""Elastic jobs without MPI end to end on this host: real horolite-run --gloo, real kill -9
+and SIGSTOP; survivors go on in their running processes and new workers join.
 
 The rank program (tests/launcher_rank/elastic_in_process.py) trains least squares with a
 result independent of the number of ranks, so every run is checked against NumPy. The
@@ -34,56 +34,168 @@ def pid(outdir, worker):
         return int(f.read())
 
 
-def wait_for_step(outdir, worker, step, proc, seconds=90):
+def workers(outdir):
+    return sorted((n[4:] for n in os.listdir(outdir) if n.startswith("pid.")),
+                  key=lambda w: int(w[1:]))
+
+
+def until(predicate, proc, what, seconds=90):
     deadline = time.monotonic() + seconds
-    while not any(int(s[3]) >= step for s in lines(outdir, "steps", worker)):
+    while not predicate():
         assert proc.poll() is None, f"the job ended early:\n{proc.stderr.read()[-4000:]}"
-        assert time.monotonic() < deadline, f"{worker} did not reach step {step}"
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
         time.sleep(0.02)
 
 
-def check_final(outdir, workers, steps):
-    """Every listed worker holds the same weights, equal to NumPy's run."""
-    finals = {w: np.load(os.path.join(outdir, f"final.{w}.npy")) for w in workers}
-    first = finals[workers[0]]
+def stepping(outdir):
+    """{worker: (generation, rank, size)} of the newest generation any worker stepped in."""
+    last = {w: lines(outdir, "steps", w)[-1] for w in workers(outdir)
+            if lines(outdir, "steps", w)}
+    newest = max((int(s[0]) for s in last.values()), default=-1)
+    return {w: (int(s[0]), int(s[1]), int(s[2])) for w, s in last.items() if int(s[0]) == newest}
+
+
+def full_world(outdir, size):
+    now = stepping(outdir)
+    return len(now) == size and all(s == size for _, _, s in now.values())
+
+
+def check_finals(outdir, proc, err):
+    """Every worker that ended training holds the same weights, equal to NumPy's run over
+    the same number of steps; returns those workers."""
+    assert proc.returncode == 0, err[-4000:]
+    done = [w for w in workers(outdir) if os.path.exists(os.path.join(outdir, f"final.{w}.npy"))]
+    assert done, err[-3000:]
+    steps = {int(open(os.path.join(outdir, f"final_step.{w}")).read()) for w in done}
+    assert len(steps) == 1, steps
+    finals = {w: np.load(os.path.join(outdir, f"final.{w}.npy")) for w in done}
     for w, got in finals.items():
-        assert np.array_equal(got, first), f"{w} differs from {workers[0]}: {got} vs {first}"
-    np.testing.assert_allclose(first, elastic_train.reference(steps), rtol=1e-12, atol=1e-12)
+        assert np.array_equal(got, finals[done[0]]), f"{w} differs from {done[0]}"
+    np.testing.assert_allclose(finals[done[0]], elastic_train.reference(steps.pop()),
+                               rtol=1e-12, atol=1e-12)
+    for w in done:  # every reset happened in the process that started: nothing restarted
+        assert {r[2] for r in lines(outdir, "resets", w)} <= {str(pid(outdir, w))}
+    return done
 
 
-def recovery_seconds(outdir, worker, killed_at):
-    """From the kill to this worker's first step in the next generation."""
-    after = [float(s[4]) for s in lines(outdir, "steps", worker) if s[0] != "0"]
-    return after[0] - killed_at
+def first_step_after(outdir, generation):
+    return min(float(s[4]) for w in workers(outdir) for s in lines(outdir, "steps", w)
+               if int(s[0]) > generation)
+
+
+def start_job(start, tmp_path, np_, min_np, *extra, env=None):
+    return start("--gloo", "-np", np_, "--min-np", min_np, *extra, sys.executable, IN_PROCESS,
+                 tmp_path, "--steps", 100000, "--commit-every", 3, "--sleep", 0.02,
+                 "--until-file", tmp_path / "stop", env=dict(NO_MPI, **(env or {})))
+
+
+def finish(proc, tmp_path):
+    (tmp_path / "stop").write_text("")
+    out, err = proc.communicate(timeout=120)
+    assert not wait_until_gone(str(tmp_path), 5)
+    return err
 
 
 @pytest.mark.parametrize("np_,victim", [(2, 0), (3, 1), (4, 1)])
-def test_kill9_survivors_go_on_in_their_running_processes(start, tmp_path, np_, victim):
-    proc = start("--gloo", "-np", np_, "--min-np", np_ - 1, sys.executable, IN_PROCESS,
-                 tmp_path, "--steps", 60, "--commit-every", 3, "--sleep", 0.05, env=NO_MPI)
-    wait_for_step(tmp_path, f"w{victim}", 12, proc)
+def test_kill9_survivors_go_on_and_a_new_worker_joins(start, tmp_path, np_, victim):
+    proc = start_job(start, tmp_path, np_, np_ - 1)
+    until(lambda: full_world(tmp_path, np_), proc, "generation 0")
     killed_at = time.time()
     os.kill(pid(tmp_path, f"w{victim}"), signal.SIGKILL)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-4000:]
+    # The survivors go on at once, one rank fewer; a new worker joins at a commit.
+    until(lambda: full_world(tmp_path, np_) and stepping(tmp_path).get(f"w{np_}", (-1,))[0] == 2, proc,
+          "the new worker's join")
+    err = finish(proc, tmp_path)
     assert re.search(rf"generation 0: rank {victim} \(w{victim}, host localhost\) was killed by "
                      rf"signal 9 \(SIGKILL\); generation 1: {np_ - 1} rank\(s\) go on in their "
                      "running processes", err), err[-3000:]
+    assert f"generation 1: w{np_} (host localhost) joins; generation 2: {np_} rank(s), from " \
+           "the next commit" in err, err[-3000:]
     survivors = [f"w{k}" for k in range(np_) if k != victim]
     for w in survivors:
-        # One reset, in the process that started: nothing was started again.
-        assert lines(tmp_path, "resets", w) == [["1", str(np_ - 1), str(pid(tmp_path, w))]], w
+        assert [r[:2] for r in lines(tmp_path, "resets", w)] == [["1", str(np_ - 1)],
+                                                                 ["2", str(np_)]], w
         steps = lines(tmp_path, "steps", w)
-        assert {(s[0], s[2]) for s in steps} == {("0", str(np_)), ("1", str(np_ - 1))}, w
         first_after = next(int(s[3]) for s in steps if s[0] == "1")
         last_before = max(int(s[3]) for s in steps if s[0] == "0")
         assert first_after % 3 == 1 and last_before - 3 < first_after <= last_before + 1, \
-            (w, last_before, first_after)  # resumed from the last commit
-    # The oldest survivor is rank 0 of the new world, the others keep their order.
-    assert [lines(tmp_path, "steps", w)[-1][1] for w in survivors] == \
-        [str(r) for r in range(np_ - 1)]
-    check_final(tmp_path, survivors, 60)
-    assert not os.path.exists(tmp_path / f"final.w{victim}.npy")
+            (w, last_before, first_after)  # from the last commit
+    # The oldest survivor is rank 0 of the new world, the others keep their order; the
+    # new worker comes last.
+    assert [int(lines(tmp_path, "steps", w)[-1][1]) for w in survivors + [f"w{np_}"]] == \
+        list(range(np_))
+    assert sorted(check_finals(tmp_path, proc, err)) == sorted(survivors + [f"w{np_}"])
     print(f"np {np_}: from kill -9 to the survivors' next step: "
-          f"{recovery_seconds(tmp_path, survivors[0], killed_at):.2f} s")
+          f"{first_step_after(tmp_path, 0) - killed_at:.2f} s")
+
+
+def test_ten_kills_in_a_row_in_one_job(start, tmp_path):
+    np_, times = 3, []
+    proc = start_job(start, tmp_path, np_, np_ - 1)
+    for kill in range(10):
+        until(lambda: full_world(tmp_path, np_), proc, f"a full world before kill {kill}")
+        now = stepping(tmp_path)
+        victim = next(w for w, (_, rank, _) in now.items() if rank == kill % np_)
+        generation = max(g for g, _, _ in now.values())
+        killed_at = time.time()
+        os.kill(pid(tmp_path, victim), signal.SIGKILL)
+        until(lambda: any(int(s[0]) > generation for w in workers(tmp_path)
+                          for s in lines(tmp_path, "steps", w)), proc, f"recovery {kill}")
+        times.append(first_step_after(tmp_path, generation) - killed_at)
+    err = finish(proc, tmp_path)
+    assert len(re.findall(r"was killed by signal 9 \(SIGKILL\); generation \d+: 2 rank\(s\) go "
+                          "on in their running processes", err)) == 10, err[-4000:]
+    check_finals(tmp_path, proc, err)
+    print("from each kill -9 to the survivors' next step: " +
+          ", ".join(f"{t:.2f}" for t in times) + " s")
+
+
+def test_a_rank_that_hangs_is_named_and_evicted(start, tmp_path):
+    np_ = 3
+    proc = start_job(start, tmp_path, np_, 2, env={"HOROLITE_STALL_CHECK_TIME_SECONDS": "1",
+                                                   "HOROLITE_STALL_SHUTDOWN_TIME_SECONDS": "3"})
+    until(lambda: full_world(tmp_path, np_), proc, "generation 0")
+    os.kill(pid(tmp_path, "w1"), signal.SIGSTOP)
+    until(lambda: full_world(tmp_path, np_) and "w3" in stepping(tmp_path), proc,
+          "the world without w1, then with w3")
+    err = finish(proc, tmp_path)
+    assert re.search(r"generation 0: rank 1 \(w1, host localhost\) was named by w[02] as a rank "
+                     r"it lost; generation 1: 2 rank\(s\) go on", err), err[-3000:]
+    assert "w1" not in check_finals(tmp_path, proc, err)
+
+
+def test_a_failure_while_the_world_forms_again(start, tmp_path):
+    np_ = 4
+    proc = start_job(start, tmp_path, np_, 2)
+    until(lambda: full_world(tmp_path, np_), proc, "generation 0")
+    os.kill(pid(tmp_path, "w3"), signal.SIGKILL)
+    # w2 dies while the others leave generation 0 for generation 1, which it is in.
+    time.sleep(0.05)
+    os.kill(pid(tmp_path, "w2"), signal.SIGKILL)
+    until(lambda: full_world(tmp_path, np_), proc, "the world grown back to 4")
+    err = finish(proc, tmp_path)
+    assert {"w0", "w1"} <= set(check_finals(tmp_path, proc, err))
+    assert "w2" not in check_finals(tmp_path, proc, err)
+
+
+def test_an_error_of_the_training_code_ends_the_job(start, tmp_path):
+    proc = start("--gloo", "-np", 3, "--min-np", 2, sys.executable, IN_PROCESS, tmp_path,
+                 "--steps", 30, "--raise-at", 5, env=NO_MPI)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    assert re.search(r"the training code raised on w1 \(host localhost\): rank 1 raised "
+                     r"ValueError: bad batch at step 5.*not retried", err), err[-3000:]
     assert not wait_until_gone(str(tmp_path), 5)
+
+
+def test_below_min_np_the_survivor_waits_for_a_new_worker(start, tmp_path):
+    proc = start_job(start, tmp_path, 2, 2)
+    until(lambda: full_world(tmp_path, 2), proc, "generation 0")
+    os.kill(pid(tmp_path, "w1"), signal.SIGKILL)
+    until(lambda: stepping(tmp_path).get("w2", (-1,))[0] >= 1, proc, "w2's join")
+    err = finish(proc, tmp_path)
+    assert "1 rank(s) left, fewer than --min-np 2: waiting up to --elastic-timeout" in err
+    assert re.search(r"generation 0: rank 1 \(w1, host localhost\) was killed by signal 9 "
+                     r"\(SIGKILL\); w2 \(host localhost\) joins; generation 1: 2 rank\(s\)",
+                     err), err[-3000:]
+    assert sorted(check_finals(tmp_path, proc, err)) == ["w0", "w2"]

@@ -5,7 +5,7 @@ many ranks run it), started once by ``horolite-run --gloo --min-np``. Per worker
 (HOROLITE_ELASTIC_WORKER, the same name across generations) it writes into OUTDIR:
 ``pid.<worker>`` (to kill), ``steps.<worker>`` (``<generation> <rank> <size> <step>
 <time>`` per step), ``resets.<worker>`` (``<generation> <size> <pid>`` per reset) and at
-the end ``final.<worker>.npy``. Training in a tf.function? See elastic_in_process_tf.py.
+the end ``final.<worker>.npy`` and ``final_step.<worker>``.
 """
 import argparse
 import os
@@ -25,6 +25,8 @@ def main():
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--commit-every", type=int, default=3)
     p.add_argument("--sleep", type=float, default=0.05, help="seconds per step")
+    p.add_argument("--raise-at", type=int, default=-1, help="rank 1 raises at this step")
+    p.add_argument("--until-file", help="every rank stops at the first step after it exists")
     args = p.parse_args()
 
     import horolite as hvd
@@ -57,6 +59,8 @@ def main():
             size, rank = hvd.size(), hvd.rank()
             x, y = batch(state.step)
             part = slice(rank * GLOBAL // size, (rank + 1) * GLOBAL // size)
+            if rank == 1 and state.step == args.raise_at:
+                raise ValueError(f"bad batch at step {state.step}")
             g = hvd.allreduce(gradient(state.w, x[part], y[part]), op=hvd.Average, name="grad")
             state.w = state.w - LR * g
             state.step += 1
@@ -65,9 +69,15 @@ def main():
             time.sleep(args.sleep)
             if state.step % args.commit_every == 0:
                 state.commit()
+            if args.until_file:
+                seen = np.array([float(os.path.exists(args.until_file))])
+                if hvd.allreduce(seen, op=hvd.Max, name="until")[0]:
+                    break
 
     train(state)
     np.save(out("final") + ".npy", state.w)
+    with open(out("final_step"), "w") as f:
+        f.write(str(state.step))
 
 
 if __name__ == "__main__":
