@@ -8,6 +8,10 @@ the background thread makes inside MPI tests it (transport/mpi.py's Waiter), so 
 blocked in a collective with the failed one hears it too. The runtime does this itself,
 so it holds under plain mpirun and srun as well as horolite-run; under horolite-run the
 failing rank also prints a marker line the launcher's summary reads.
+
+A rank that finds a peer gone (its connection closed: runtime/job_end.py) tells the
+others too, naming that peer as the failure's origin (Notice.origin), so ranks that had
+no connection to it name it rather than the neighbour they see leave after it.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import dataclasses
 import logging
 import os
 import signal
+import struct
 import sys
 import threading
 import time
@@ -37,6 +42,7 @@ _ACK_TAG = 19
 _RELEASE_TAG = 20
 _ENDED_TAG = 21
 NOTICE_BYTES = 4096
+_ORIGIN = struct.Struct("<i")  # a notice's first bytes: Notice.origin
 # How often a cycle looks for a notice (waits look too, every 20 ms: collective_watch.py).
 LOOK_SECONDS = 0.001
 # How long a failing rank waits for the others to confirm its notice (a running peer
@@ -52,16 +58,26 @@ _MARKER = "##horolite-run##"
 
 @dataclasses.dataclass(frozen=True)
 class Notice:
-    """What one rank told the others: why the job cannot go on."""
+    """What one rank (`rank`, the sender) told the others: why the job cannot go on.
+    `origin`: the rank the failure came from, when not the sender: a peer it found gone."""
     rank: int
     text: str
+    origin: int = -1
+
+    @property
+    def cause(self) -> int:
+        """The rank to name as the failure's origin."""
+        return self.rank if self.origin < 0 else self.origin
 
     def encode(self) -> bytes:
-        return self.text.encode("utf-8", "replace")[:NOTICE_BYTES]
+        return _ORIGIN.pack(self.origin) + self.text.encode("utf-8", "replace")[
+            :NOTICE_BYTES - _ORIGIN.size]
 
     @classmethod
     def decode(cls, rank: int, raw: bytes) -> "Notice":
-        return cls(rank, raw.decode("utf-8", "replace") or f"rank {rank} failed")
+        origin = _ORIGIN.unpack_from(raw)[0] if len(raw) >= _ORIGIN.size else -1
+        text = raw[_ORIGIN.size:].decode("utf-8", "replace")
+        return cls(rank, text or f"rank {rank} failed", origin)
 
 
 class PeerFailure(Exception):
@@ -83,6 +99,7 @@ class FailureChannel:
         self.heard: Optional[Notice] = None
         self._next_look = 0.0  # see check
         self.sent: Optional[Notice] = None
+        self.gone: set = set()  # ranks a notice (sent or heard) says are gone: never sent to
         self._said_ended = False
         self._lock = threading.Lock()
         self._inbox = np.zeros(NOTICE_BYTES, dtype=np.uint8)
@@ -119,6 +136,8 @@ class FailureChannel:
         count = self.status.Get_count(MPI.BYTE)
         self.heard = Notice.decode(self.status.Get_source(), self._inbox[:count].tobytes())
         self.request = None
+        if self.heard.origin >= 0:
+            self.gone.add(self.heard.origin)
 
     def close(self) -> None:
         """Collective (every rank stopping together): drop the posted receive."""
@@ -156,6 +175,26 @@ class FailureChannel:
         release = [self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=q, tag=_RELEASE_TAG)
                    for q in peers]
         _wait_until(release, time.monotonic() + 0.5)
+        return True
+
+    def announce_gone(self, origin: int, text: str) -> bool:
+        """This rank found `origin` gone (its connection closed): tell every other rank,
+        naming it as the failure's origin. Not waited on: the peers that also found it
+        gone announce it at the same moment, from their background threads, which would
+        then wait for each other's confirmation; the ranks still end together (say_ended).
+        False if this rank already announced or heard of a failure."""
+        self.gone.add(origin)
+        if self.sent is not None or self.check() is not None or self.size == 1 or \
+                self.silent():
+            return False
+        self.sent = Notice(self.rank, text, origin)
+        data = np.frombuffer(self.sent.encode(), dtype=np.uint8)
+        peers = self._reachable_peers()
+        requests = [self.comm.Isend(data, dest=q, tag=_TAG) for q in peers]
+        # (free to end at once: nobody waits for this rank's confirmation round)
+        requests += [self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=q, tag=_RELEASE_TAG)
+                     for q in peers]
+        _wait_until(requests, time.monotonic() + 0.5)
         return True
 
     def await_release(self) -> None:
@@ -207,8 +246,8 @@ class FailureChannel:
         return (self.sent is not None or self.heard is not None) and not self.silent()
 
     def _reachable_peers(self) -> list:
-        """Every other rank but those no send may reach (`unsafe`)."""
-        unsafe = self.unsafe()
+        """Every other rank but those no send may reach (`unsafe`, `gone`)."""
+        unsafe = self.unsafe() | self.gone
         return [q for q in range(self.size) if q != self.rank and q not in unsafe]
 
 

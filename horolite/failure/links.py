@@ -37,11 +37,14 @@ Address = Tuple[str, int]
 
 
 class LinkLost(Exception):
-    """A connection to a peer on another host closed: sending to it would crash MPICH."""
+    """A connection to a peer on another host closed: sending to it would crash MPICH.
+    `own`: one of horolite's own connections (transport/tcp_link.py), which MPI never
+    uses, so MPI may still carry the news to the other ranks (runtime/job_end.py)."""
 
-    def __init__(self, text: str, ranks: Sequence[int]):
+    def __init__(self, text: str, ranks: Sequence[int], own: bool = False):
         super().__init__(text)
         self.ranks = list(ranks)
+        self.own = own
 
 
 def _own_sockets() -> Dict[str, int]:

@@ -91,6 +91,8 @@ class JobEnd:
             self.failures.acknowledge()
             error = HorovodInternalError(notice.text)
             error.horolite_peer = notice.cause
+            if notice.origin >= 0:  # (a rank found gone: the ranks an elastic job evicts)
+                error.horolite_lost = [notice.origin]
         elif notice is not None:  # this rank's own notice (report_exception)
             error = self.doomed
         else:  # found on this rank: fail its collectives, then tell the others

@@ -27,6 +27,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..core.mpi_library import MPI
@@ -173,6 +174,27 @@ class TcpMesh:
             peer.close(grace)
         self.peers.clear()
 
+    def abort(self) -> None:
+        """This rank's job failed: end every connection now, without a goodbye (a later
+        request on one fails at once)."""
+        for peer in self.peers.values():
+            peer.abort()
+
+
+_meshes: "weakref.WeakSet[TcpMesh]" = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """A child forked after set-up holds none of its parent's connections: the parent's
+    peers must see them close when the parent ends, whatever its children do."""
+    for mesh in list(_meshes):
+        for peer in mesh.peers.values():
+            peer.forget()
+        mesh.peers.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
 
 def open_mesh(comm: MPI.Comm, wanted: Sequence[int], hostnames: Sequence[str], where,
               iface: str = "", ports: str = "", streams: int = 1,
@@ -230,6 +252,7 @@ def open_mesh(comm: MPI.Comm, wanted: Sequence[int], hostnames: Sequence[str], w
                     sock.close()
         raise SetupError("horolite's TCP connections between hosts: " + "; ".join(problems))
     mesh = TcpMesh(rank, where)
+    _meshes.add(mesh)
     for q, pair in socks.items():
         for sock in pair:
             sock.settimeout(None)

@@ -18,12 +18,16 @@ streams (a link that one stream cannot fill) and arrive in any order. A message
 that arrives before its receive is posted is kept (unexpected) until it is.
 
 A connection that closes without the peer's goodbye, or fails, fails every request
-on that peer with LinkLost naming its rank and host, and every later one.
+on that peer with LinkLost naming its rank and host, and every later one (logged at
+debug level: the runtime that acts on it says so at ERROR, runtime/job_end.py). A rank
+whose job failed ends its connections without a goodbye (`abort`), failing its peers'
+requests at once.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import socket
 import struct
@@ -260,22 +264,54 @@ class Peer:
     def _closed(self) -> LinkLost:
         """The error of a request cut short by this rank's own close."""
         return self.error or LinkLost(f"the connection to {self.where} was closed by this "
-                                      "rank while a message was under way", [self.job_rank])
+                                      "rank while a message was under way", [self.job_rank],
+                                      own=True)
 
     def _lost(self, why: str) -> None:
         with self._lock:
             if self.error is not None or self.closing:
                 return
-            self.error = LinkLost(f"the connection to {self.where} closed: {why}", [self.job_rank])
-            pending = list(self._posted.values()) + [u.waiting for u in self._unexpected.values()
-                                                     if u.waiting is not None]
-            self._posted.clear()
-        _log.error("rank %d: %s", self.me, self.error)
+            self.error = LinkLost(f"the connection to {self.where} closed: {why}",
+                                  [self.job_rank], own=True)
+            pending = self._take_pending()
+        _log.debug("rank %d: %s", self.me, self.error)
         self._on_lost(self.error)  # (first: whoever a failed request wakes finds the mesh's)
         for req in pending:
             self._finish(req, self.error)
         for q in self._queues:
             q.put(None)  # (senders end; what they still hold fails)
+
+    def _take_pending(self) -> List[Request]:
+        """(under the lock) The posted receives, which no message will complete now."""
+        pending = list(self._posted.values()) + [u.waiting for u in self._unexpected.values()
+                                                 if u.waiting is not None]
+        self._posted.clear()
+        return pending
+
+    def abort(self) -> None:
+        """This rank's job failed: end every stream now, without a goodbye (the peer's
+        requests fail at once, and this rank's pending ones too), quietly."""
+        with self._lock:
+            self.closing = True
+            self.error = self.error or LinkLost(
+                f"the connection to {self.where} was closed: this rank's job failed",
+                [self.job_rank], own=True)
+            pending = self._take_pending()
+        for sock, q in zip(self._socks, self._queues):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # (the connection, whoever else holds it)
+            except OSError:
+                pass
+            sock.close()
+            q.put(None)
+        for req in pending:
+            self._finish(req, self.error)
+
+    def forget(self) -> None:
+        """In a child forked from this process: close its copies of the sockets, leaving
+        the connections to the parent (a shutdown would end them for both)."""
+        for sock in self._socks:
+            os.close(sock.detach())
 
     def close(self, grace: float) -> None:
         """Goodbye on every stream, then wait up to `grace` s for the peer's, then close."""

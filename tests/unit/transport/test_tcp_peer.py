@@ -219,3 +219,58 @@ def test_a_wait_calls_the_watch_while_other_links_keep_completing():
         t.join()
         pair.close()
     assert len(calls) >= 8, calls
+
+
+def test_an_aborted_peer_fails_both_sides_at_once_and_quietly(pair, caplog):
+    """A rank whose job failed ends its connections (abort): its own pending and later
+    requests and the other side's fail at once with LinkLost, and nothing is logged at
+    ERROR (the runtime says what happened, once)."""
+    mine = pair.a.irecv(1, -1, np.empty(4))
+    theirs = pair.b.irecv(1, -1, np.empty(4))
+    with caplog.at_level("DEBUG", logger="horolite"):
+        start = time.monotonic()
+        pair.a.abort()
+        for req in (mine, theirs, pair.a.isend(1, -1, np.ones(4))):
+            with pytest.raises(LinkLost):
+                pair.wait(req, timeout=2.0)
+        assert time.monotonic() - start < 1.0
+    assert [e.ranks for e in pair.lost] == [[0]]  # (b lost a; a's own abort is no loss)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+
+def test_a_killed_rank_s_forked_child_keeps_none_of_its_connections():
+    """A process (the rank) with a mesh forks a child (its worker), then is killed: the
+    peer sees the connections end at once, although the child lives on for 3 s (it closed
+    its copies at the fork: tcp.py's hook)."""
+    import os
+    import signal
+    from horolite.transport import tcp
+    pairs = [socket.socketpair() for _ in range(2)]
+    rank = os.fork()
+    if rank == 0:  # the rank: its peer over pairs' first ends
+        try:
+            for _, theirs in pairs:
+                theirs.close()
+            mesh = tcp.TcpMesh(0, lambda q: f"rank {q}")
+            mesh.peers[1] = Peer(0, 1, "rank 1", [p[0] for p in pairs], mesh.changed,
+                                 mesh._lost)
+            tcp._meshes.add(mesh)
+            if os.fork() == 0:
+                time.sleep(3)  # a worker that outlives the rank
+                os._exit(0)
+            time.sleep(0.3)
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    for mine, _ in pairs:
+        mine.close()
+    changed = threading.Condition()
+    peer = Peer(1, 0, "rank 0 (host a)", [p[1] for p in pairs], changed, lambda e: None)
+    req = peer.irecv(1, -1, np.empty(4))
+    deadline = time.monotonic() + 2.0
+    with changed:
+        while not req.done and time.monotonic() < deadline:
+            changed.wait(0.05)
+    os.waitpid(rank, 0)
+    assert req.done and isinstance(req.error, LinkLost), "the peer never saw the rank end"
+    peer.close(0.1)
