@@ -36,7 +36,7 @@ from .collectives import abandon_async, grouped_allreduce_async
 from .process_sets import global_process_set, runtime_for
 
 __all__ = ["plan", "plan_for", "bucket_cap_bytes", "cap_from_setting", "GradientBuckets", "BucketRuns",
-           "FIRST_BUCKET_BYTES", "ACROSS_HOSTS_CAP_BYTES"]
+           "after", "settle", "FIRST_BUCKET_BYTES", "ACROSS_HOSTS_CAP_BYTES"]
 
 MiB = 1 << 20
 # The first bucket (the last layers') is small so the exchange starts early.
@@ -111,7 +111,12 @@ class BucketRuns:
     failed step and the weights silently differ, or every rank waits for ever). What is
     in flight goes by name; which run sent a request goes by its key, which names the
     request the same in every trace (traces may number their names differently: see
-    tensorflow/bridge.across_traces); the key is the name where none is given."""
+    tensorflow/bridge.across_traces); the key is the name where none is given.
+
+    A request may go only `after` another of its run came back whole (a sparse
+    gradient's rows after the bucket that checks every rank has rows there): where that
+    one never went or failed, no rank sends it, and a run that ended before it owes no
+    notice for it."""
 
     # (process set, name) -> the latest request or notice of that name, until it is done
     _latest: Dict[tuple, Handle] = {}
@@ -129,13 +134,18 @@ class BucketRuns:
         self.process_set = process_set
         self._sent: set = set()  # requests the current run sent
         self._dropped: set = set()  # and those abandoned as it ended (until it has ended)
+        self._handles: Dict[int, Handle] = {}  # the current run's sent requests
+        self._gates: Dict[int, int] = {}  # request -> the request it goes after
         self._lock = BucketRuns._latest_lock
         self._last = BucketRuns._latest
 
-    def add(self, name: str, key: Optional[str] = None) -> int:
-        """One more request of the step (its index): `name`, found across traces as `key`."""
+    def add(self, name: str, key: Optional[str] = None, after: Optional[int] = None) -> int:
+        """One more request of the step (its index): `name`, found across traces as `key`,
+        sent only once request `after` of the same run came back whole."""
         self.names.append(name)
         self.keys.append(name if key is None else key)
+        if after is not None:
+            self._gates[len(self.names) - 1] = after
         return len(self.names) - 1
 
     def _key(self, k: int) -> tuple:
@@ -150,8 +160,16 @@ class BucketRuns:
                 owner._end_run(f"its previous run of this step failed there after "
                                f"{len(owner._sent)} of {len(owner.names)} buckets had left, "
                                "and its next run began")
+            gate = self._gates.get(k)
+            if gate is not None:
+                first, go = self._handles.get(gate), submit
+                if first is None:
+                    raise RuntimeError(f"{self.names[k]}: sent before {self.names[gate]}, "
+                                       "which it must follow")
+                submit = lambda *a: after(first, go, *a)  # noqa: E731
             handle = self._send(self.names[k], submit, *args)
             self._sent.add(k)
+            self._handles[k] = handle
             self._open[self._key(k)] = self
             if len(self._sent) == len(self.names):
                 self._close()
@@ -168,11 +186,22 @@ class BucketRuns:
         that raised leaves the run unended, less what was abandoned: ended again later.)"""
         handles = []
         for k, name in enumerate(self.names):
-            if k not in self._sent and k not in self._dropped:
+            if k not in self._sent and k not in self._dropped and not self._owes(k):
+                self._dropped.add(k)  # its gate never came back whole: no rank sends it
+            elif k not in self._sent and k not in self._dropped:
                 handles.append(self._send(name, abandon_async, name, why, self.process_set))
                 self._dropped.add(k)
         self._close()
         return handles
+
+    def _owes(self, k: int) -> bool:
+        """Whether the other ranks send request k in this run: it goes after nothing, or
+        after a request that went and has not failed."""
+        gate = self._gates.get(k)
+        if gate is None:
+            return True
+        first = self._handles.get(gate)
+        return first is not None and not (first.done() and first.exception() is not None)
 
     def _close(self) -> None:
         """The current run has ended: its names belong to no open run of this one."""
@@ -180,7 +209,7 @@ class BucketRuns:
             key = self._key(k)
             if self._open.get(key) is self:
                 del self._open[key]
-        self._sent, self._dropped = set(), set()
+        self._sent, self._dropped, self._handles = set(), set(), {}
 
     def _send(self, name: str, submit: Callable, *args) -> Handle:
         """submit(*args) now, or, while the latest of `name` is in flight, once it is done
@@ -197,7 +226,7 @@ class BucketRuns:
             except BaseException as e:  # noqa: BLE001 - the caller's handle carries it
                 proxy._set_exception(e)
                 return
-            handle.add_done_callback(lambda h: _settle(proxy, h))
+            handle.add_done_callback(lambda h: settle(proxy, h))
         pending.add_done_callback(go)
         return proxy
 
@@ -216,7 +245,30 @@ class BucketRuns:
         return handle
 
 
-def _settle(proxy: Handle, handle: Handle) -> None:
+def after(first: Handle, submit: Callable, *args) -> Handle:
+    """submit(*args) once `first` came back whole (a handle that completes as that one
+    does); where `first` failed, nothing is sent and the handle fails with its error."""
+    if first.done() and first.exception() is None:
+        return submit(*args)
+    proxy = Handle(first.name)
+
+    def go(done: Handle) -> None:
+        error = done.exception()
+        if error is not None:
+            proxy._set_exception(error)
+            return
+        try:
+            handle = submit(*args)
+        except BaseException as e:  # noqa: BLE001 - the caller's handle carries it
+            proxy._set_exception(e)
+            return
+        handle.add_done_callback(lambda h: settle(proxy, h))
+    first.add_done_callback(go)
+    return proxy
+
+
+def settle(proxy: Handle, handle: Handle) -> None:
+    """Complete `proxy` as `handle` completed."""
     error = handle.exception()
     if error is not None:
         proxy._set_exception(error)

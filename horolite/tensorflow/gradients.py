@@ -11,8 +11,6 @@ Local gradient aggregation (`backward_passes_per_step`) is in aggregation.py.
 """
 from __future__ import annotations
 
-import ast
-import re
 from typing import List, Optional, Sequence
 
 import tensorflow as tf
@@ -27,6 +25,7 @@ from .bridge import (_enqueue, across_traces, graph_unique_name, grouped_allredu
                      run_alone, wait)
 from .adasum import check_adasum
 from .bucket_order import BucketOrder
+from .bucket_slots import naming_members, placeholder, slot_nbytes, sparse_marker
 from .mpi_ops import _check_op
 from .process_sets import check_process_set, global_process_set, reduces_here, set_size
 
@@ -139,7 +138,7 @@ class GradientReducer:
         if self.num_groups is None:  # buckets in backprop's order (api/buckets.py)
             if not graph:
                 return [dense] if dense else []
-            sizes = [_slot_nbytes(grads[i], variables[i] if variables is not None else None)
+            sizes = [slot_nbytes(grads[i], variables[i] if variables is not None else None)
                      for i in dense]
             return [[dense[j] for j in bucket] for bucket in buckets.plan_for(sizes, self.process_set)]
         if self.num_groups:
@@ -178,36 +177,52 @@ class GradientReducer:
             raise NotImplementedError(f"{self.name}: gradients of {[labels[i] for i in sparse]} are tf.IndexedSlices, "
                              f"which support only Average and Sum, not {op.name}; "
                              "pass sparse_as_dense=True")
-        if self.num_groups is None and self.groups is None:
-            # Every position in the plan, None gradients too (sent as empty placeholders):
-            # the buckets, their names and members are then the same on every rank, and a
-            # gradient that is None on some ranks only is a mismatch named at once, not a
-            # request the others never send.
-            dense = [i for i, g in enumerate(grads)
-                     if not local[i] and not isinstance(g, tf.IndexedSlices)]
+        buckets_here = self.num_groups is None and self.groups is None
+        if buckets_here:
+            # Every position in the plan, None and IndexedSlices gradients too (sent as
+            # empty stand-ins, bucket_slots.py): the buckets, their names and members are
+            # then the same on every rank, and a gradient that is None or sparse on some
+            # ranks only is a mismatch named at once, not a request the others never send.
+            dense = [i for i in range(n) if not local[i]]
         groups = self._group_indices(dense, variables, grads, graph)
-        jobs = []  # (order key, enqueue thunk, finish(hid) -> None)
+        # A sparse gradient's rows go once its bucket is back whole (every rank then has
+        # rows there): where the bucket fails, no rank sends them.
+        bucket_of = {i: b for b, members in enumerate(groups) for i in members
+                     if isinstance(grads[i], tf.IndexedSlices)} if buckets_here else {}
+        gate_handles = {}  # bucket -> its latest handle, where a sparse gradient waits for it
+        jobs = []  # (order key, enqueue thunk, its tensors, the bucket it goes after, its bucket)
         # A graph's step of several requests: if it fails here after some left, the next
         # run tells the other ranks the rest will never come (api/buckets.BucketRuns).
         runs = buckets.BucketRuns([], ps) if graph and len(groups) + len(sparse) > 1 else None
 
-        def tracked(name, submit):
+        run_index = {}  # bucket -> its request's index in `runs`
+
+        def tracked(name, submit, bucket=None, after=None):
             if runs is None:
-                return submit
-            k = runs.add(name, across_traces(name))
+                if after is None:
+                    return submit
+                return lambda *arrays: buckets.after(gate_handles[after], submit, *arrays)
+            k = runs.add(name, across_traces(name), None if after is None else run_index[after])
+            if bucket is not None:
+                run_index[bucket] = k
 
             def submit_in_run(*arrays):
                 return runs.submit(k, submit, *arrays)
             return submit_in_run
 
-        def request(members):
+        def stand_in(i):
+            """What position i sends where its gradient is not a dense tensor."""
+            var = variables[i] if variables is not None else None
+            return sparse_marker(var) if isinstance(grads[i], tf.IndexedSlices) else placeholder(var)
+
+        def request(members, bucket=None):
             """(the compressed tensors and their contexts, submit, whether submit must get copies)"""
-            # A None gradient's placeholder is compressed as the gradient would be, so a
-            # bucket holds the same dtypes on every rank (else it packs on one and not on
-            # another, under other names, and every rank waits).
-            comp = [(self.compression.compress(_placeholder(variables[i] if variables is not None
-                                                            else None))[0], None)
-                    if grads[i] is None else self.compression.compress(tf.convert_to_tensor(grads[i]))
+            # A stand-in is compressed as the gradient would be, so a bucket holds the same
+            # dtypes on every rank (else it packs on one and not on another, under other
+            # names, and every rank waits).
+            comp = [(self.compression.compress(stand_in(i))[0], None)
+                    if grads[i] is None or isinstance(grads[i], tf.IndexedSlices)
+                    else self.compression.compress(tf.convert_to_tensor(grads[i]))
                     for i in members]
             if len(members) == 1:
                 nm = f"{base}.grad.{labels[members[0]]}"
@@ -216,13 +231,16 @@ class GradientReducer:
             else:
                 nm = f"{base}.group.{labels[members[0]]}"
                 submit, copy = grouped_allreduce_submit(nm, op, pre, post, ps)
-            return comp, tracked(nm, submit), copy
+            submit = tracked(nm, _naming(submit, [labels[i] for i in members]), bucket)
+            if bucket is not None and bucket in bucket_of.values():
+                submit = _recording(submit, gate_handles, bucket)
+            return comp, submit, copy
 
-        placeholders = []  # what None gradients got back: nothing reads it but the barrier
+        placeholders = []  # what stand-ins got back: nothing reads it but the barrier
 
         def decompress(members, comp, results):
             for i, r, (_, ctx) in zip(members, results, comp):
-                if grads[i] is None:
+                if grads[i] is None or isinstance(grads[i], tf.IndexedSlices):
                     placeholders.append(r)
                 else:
                     out[i] = self.compression.decompress(r, ctx)
@@ -236,9 +254,9 @@ class GradientReducer:
                                                   [t.shape for t in tensors], copy))
             return out
 
-        for members in groups:
-            def job(members=members):
-                comp, submit, copy = request(members)
+        for b, members in enumerate(groups):
+            def job(members=members, b=b):
+                comp, submit, copy = request(members, b)
                 tensors = [c for c, _ in comp]
                 hid = _enqueue(submit, tensors, copy)
 
@@ -246,16 +264,19 @@ class GradientReducer:
                     decompress(members, comp, wait(hid, [t.dtype for t in tensors],
                                                    [t.shape for t in tensors]))
                 return hid, finish
-            jobs.append((max(members), job, [grads[i] for i in members if grads[i] is not None]))
+            jobs.append((max(members), job, [grads[i] for i in members if grads[i] is not None
+                                             and not isinstance(grads[i], tf.IndexedSlices)],
+                         None, b))
 
         for i in sparse:
             def job(i=i):
                 g = grads[i]
                 nm = f"{base}.grad.{labels[i]}"
+                gate = bucket_of.get(i)
                 hv = _enqueue(tracked(nm + ".values", lambda a, nm=nm: _core.allgather_async(
-                    a, nm + ".values", ps)), [g.values])
+                    a, nm + ".values", ps), after=gate), [g.values])
                 hi = _enqueue(tracked(nm + ".indices", lambda a, nm=nm: _core.allgather_async(
-                    a, nm + ".indices", ps)), [g.indices])
+                    a, nm + ".indices", ps), after=gate), [g.indices])
 
                 def finish(_):
                     values = wait(hv, [g.values.dtype], [tf.TensorShape([None]).concatenate(g.values.shape[1:])])[0]
@@ -265,18 +286,23 @@ class GradientReducer:
                         values = values * tf.cast(scale, values.dtype)
                     out[i] = tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
                 return [hv, hi], finish
-            jobs.append((i, job, [grads[i].values, grads[i].indices]))
+            jobs.append((i, job, [grads[i].values, grads[i].indices], bucket_of.get(i), None))
 
         # Enqueue in reverse list order (backprop's order), then wait for all. In a graph,
         # the rest of backprop waits for each enqueue, so each bucket leaves as soon as
         # its gradients exist (bucket_order.py).
+        # (A bucket before the sparse gradients it holds: the sort is stable.)
         jobs.sort(key=lambda j: -j[0])
         order = BucketOrder(tf.compat.v1.get_default_graph()) if graph and len(jobs) > 1 else None
-        started = []
-        for _, job, tensors in jobs:
+        started, enqueue_of = [], {}  # bucket -> its enqueue op
+        for _, job, tensors, gate, bucket in jobs:
             if order is not None:
                 order.order_after(tensors)
-            started.append(job())
+            # A sparse gradient's rows are submitted after its bucket (they go after it).
+            with tf.control_dependencies([enqueue_of[gate]] if graph and gate is not None else None):
+                started.append(job())
+            if bucket is not None and graph:
+                enqueue_of[bucket] = started[-1][0].op
             if order is not None:
                 hid = started[-1][0]
                 for h in (hid if isinstance(hid, list) else [hid]):
@@ -291,67 +317,28 @@ class GradientReducer:
             _after_every_request(out, [i for i, g in enumerate(grads)
                                        if g is not None and not local[i]], placeholders)
         else:
-            for hid, finish in started:
+            error = None
+            for hid, finish in started:  # every request waited for: none left in flight
                 try:
                     finish(hid)
                 except tf.errors.OpError as e:
-                    raise _naming_members(e, [labels[i] for i in groups[0]] if groups else []) from e
+                    error = error or e
+            if error is not None:
+                raise error
         return out
 
 
-def _nbytes(g) -> int:
-    """A gradient's bytes from its static shape (unknown: as large as a bucket may be)."""
-    n = g.shape.num_elements()
-    return (1 << 62) if n is None else n * g.dtype.size
+def _naming(submit, member_labels):
+    """`submit`, whose handle's mismatch of member shapes names the variables that differ."""
+    return lambda *arrays: naming_members(submit(*arrays), member_labels)
 
 
-def _slot_nbytes(g, variable) -> int:
-    """A plan position's bytes: its gradient's, or where there is none its variable's (the
-    gradient it has on another rank), so that every rank cuts the same buckets."""
-    if g is not None:
-        return _nbytes(g)
-    if variable is None or getattr(variable, "shape", None) is None:
-        return 0
-    n = tf.TensorShape(variable.shape).num_elements()
-    return (1 << 62) if n is None else n * _dtype_of(variable).size
-
-
-def _dtype_of(variable) -> tf.DType:
-    try:
-        return tf.as_dtype(variable.dtype).base_dtype
-    except (TypeError, AttributeError):
-        return tf.float32
-
-
-def _placeholder(variable) -> tf.Tensor:
-    """What a None gradient sends in its bucket: shape (0,), its variable's dtype. Where
-    every rank has None it costs nothing; where another rank has a gradient, the bucket's
-    member shapes differ and every rank gets the mismatch naming both. Its static shape
-    stays unknown: TensorFlow replaces an op whose output it knows to be empty with a
-    constant, and the wait that raises the mismatch would not run."""
-    empty = tf.zeros([0], _dtype_of(variable) if variable is not None else tf.float32)
-    return tf.compat.v1.placeholder_with_default(empty, [None])
-
-
-def _naming_members(error, member_labels: List[str]):
-    """`error`, naming the variables whose shapes differ when the ranks' groups did (the
-    message lists each rank's member shapes, a None gradient as (0,))."""
-    text = error.message
-    if "mismatched group member shapes" not in text or not member_labels:
-        return error
-    try:
-        lists = [ast.literal_eval(m) for m in re.findall(r"had (\[[^\]]*\])", text)]
-    except (ValueError, SyntaxError):
-        return error
-    if len(lists) < 2 or any(len(x) != len(member_labels) for x in lists):
-        return error
-    differ = [member_labels[k] for k in range(len(member_labels))
-              if len({tuple(x[k]) for x in lists}) > 1]
-    if not differ:
-        return error
-    return type(error)(error.node_def, error.op,
-                       f"{text} (the gradients of {', '.join(differ[:8])}"
-                       f"{' and more' if len(differ) > 8 else ''}; (0,): None on that rank)")
+def _recording(submit, handles: dict, bucket: int):
+    """`submit`, keeping its latest handle as handles[bucket] (what sparse rows go after)."""
+    def submit_recorded(*arrays):
+        handles[bucket] = submit(*arrays)
+        return handles[bucket]
+    return submit_recorded
 
 
 def _after_every_request(out: List, reduced: List[int], placeholders: List) -> None:
@@ -361,7 +348,7 @@ def _after_every_request(out: List, reduced: List[int], placeholders: List) -> N
     without this they would have applied the buckets before it). A placeholder's wait
     is among them through an assert that reads it (a wait whose output only a control
     input needs is pruned, and its error with it)."""
-    done = [tf.debugging.assert_equal(tf.size(r), 0, message="a None gradient's placeholder")
+    done = [tf.debugging.assert_equal(tf.size(r), 0, message="a None or sparse gradient's stand-in")
             for r in placeholders]
     for i in reduced:
         g = out[i]

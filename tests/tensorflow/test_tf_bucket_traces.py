@@ -12,7 +12,6 @@ the number of variables, not one per (op, gradient) pair.
 """
 import faulthandler
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -27,14 +26,14 @@ from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpi
 import horolite.tensorflow as hvd
 import horolite.tensorflow.keras as hvd_keras
 from horolite.api import buckets as bucket_plan
-from bucket_failures import PEER_FAILED, FailOnFlag, same_on_every_rank
+from bucket_failures import (WIDTH, batch, fail_if_hung, fail_on_rank_1, failing_model,
+                             same_on_every_rank)
 
 tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 hvd.init()
 COMM = MPI.COMM_WORLD
 R, N = hvd.rank(), hvd.size()
-WIDTH, LAYERS = 128, 8
 
 
 def _two_ranks():
@@ -45,20 +44,6 @@ def _two_ranks():
 def requests_per_step(variables) -> int:
     return len(bucket_plan.plan([int(np.prod(v.shape)) * 4 for v in variables],
                                 bucket_plan.bucket_cap_bytes()))
-
-
-def failing_model(flag):
-    keras.utils.set_random_seed(5)
-    return keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(WIDTH, activation="tanh"),
-                             FailOnFlag(flag)] +
-                            [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(LAYERS)] +
-                            [keras.layers.Dense(4)])
-
-
-def batch(r, rows):
-    rng = np.random.RandomState(1000 * rows + r)
-    return (tf.constant(rng.normal(size=(rows, WIDTH)).astype(np.float32)),
-            tf.constant(rng.normal(size=(rows, 4)).astype(np.float32)))
 
 
 def _tape_step(model, opt):
@@ -74,18 +59,6 @@ def _tape_step(model, opt):
 def tape_runner(model, opt):
     step = _tape_step(model, opt)
     return lambda rows: step(*batch(R, rows))
-
-
-def fail_on_rank_1(flag, run, batch):
-    """One step of `run` in which rank 1 fails (FailOnFlag) and every other rank's step
-    fails naming it."""
-    flag.assign(1.0 if R == 1 else 0.0)
-    if R == 1:
-        with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
-            run(batch)
-    else:
-        with pytest.raises(tf.errors.OpError, match=PEER_FAILED):
-            run(batch)
 
 
 def test_a_step_failed_in_one_trace_fails_the_others_when_rank_1_runs_another_trace():
@@ -128,15 +101,6 @@ def nested_tape_runner(model, opt):
     def outer(x, y):
         inner(x, y)
     return lambda rows: outer(*batch(R, rows))
-
-
-def fail_if_hung(seconds):
-    """A hang ends this rank after `seconds`, every thread's stack in its log (pytest's
-    capture would lose them): the test fails fast instead of waiting for the driver."""
-    outdir = os.environ.get("HOROLITE_TEST_OUTDIR")
-    out = open(os.path.join(outdir, f"rank{R}.log"), "a") if outdir else None
-    faulthandler.dump_traceback_later(seconds, exit=True, file=out or sys.__stderr__)
-    return out
 
 
 def reference(steps):
@@ -266,3 +230,4 @@ def test_a_gradient_none_on_one_rank_only_with_fp16_fails_every_rank_at_once():
     assert time.monotonic() - started < 60
     got = tf.function(step)(False)
     assert all(g is not None and g.dtype == tf.float32 for g in got)
+

@@ -1,0 +1,163 @@
+"""Rank side: what buckets guarantee when a step fails on one rank, or when a gradient's kind
+differs between ranks.
+
+Buckets are on in every run of this file (HOROLITE_GRADIENT_BUCKET_MB=0.3 unless the
+driver set a cap). Each case is bounded (fail_if_hung): a hang ends the rank with every
+thread's stack in its log rather than the driver's timeout.
+- A gradient that is tf.IndexedSlices on one rank and None on another fails every rank at
+  once, naming the variable and the ranks; the rows of a sparse gradient go only after
+  the bucket that holds its marker, so a step failing below it leaves nothing behind.
+Values are checked against plain Keras on every rank's batches (gradients exchanged with
+mpi4py, never with horolite).
+"""
+import faulthandler
+import os
+import re
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("HOROLITE_GRADIENT_BUCKET_MB", "0.3")
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
+
+import horolite.tensorflow as hvd
+import horolite.tensorflow.keras as hvd_keras
+from bucket_failures import (WIDTH, batch, fail_if_hung, fail_on_rank_1, failing_model,
+                             same_on_every_rank)
+
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+hvd.init()
+COMM = MPI.COMM_WORLD
+R, N = hvd.rank(), hvd.size()
+
+
+def _two_ranks():
+    if N < 2:
+        pytest.skip("needs at least two ranks")
+
+
+# ---- a gradient that is IndexedSlices on one rank and None on another ----
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_gradient_sparse_on_one_rank_and_none_on_another_fails_every_rank_at_once(mode):
+    # Rank 1 skips the Embedding (its gradient there is None), rank 0 looks rows up (its
+    # gradient is IndexedSlices). Before, rank 0 sent the rows as allgathers that rank 1
+    # never sent and the ranks cut different buckets: in a function every rank waited
+    # for ever; eagerly the allgathers stayed in flight and the next step hung. Now every
+    # rank fails at once naming the variable and the ranks, and the next steps work.
+    _two_ranks()
+    log = fail_if_hung(120)
+    try:
+        keras.utils.set_random_seed(19)
+        embedding = keras.layers.Embedding(64, WIDTH)
+        layers = [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(4)] + [keras.layers.Dense(4)]
+        model = keras.Sequential([keras.Input((WIDTH,))] + layers)
+        embedding.build((None, 3))
+        variables = [embedding.embeddings] + model.trainable_variables
+        x = batch(R, 16)[0]
+        ids = tf.constant(np.random.RandomState(R).randint(0, 64, size=(16, 3)), tf.int32)
+
+        def forward(skip):
+            h = x if skip else x + tf.reduce_mean(embedding(ids), axis=1)
+            for layer in layers:
+                h = layer(h)
+            return tf.reduce_mean(tf.square(h))
+
+        def step(skip):
+            with tf.GradientTape() as tape:
+                loss = forward(skip)
+            return hvd.DistributedGradientTape(tape).gradient(loss, variables)
+        run = step if mode == "eager" else tf.function(step)
+        started = time.monotonic()
+        with pytest.raises(tf.errors.OpError, match=r"mismatched .*shapes?: ranks? 0(, \d+)* had .*rank 1 had") as info:
+            run(R == 1)
+        assert time.monotonic() - started < 60
+        assert re.search(rf"the gradients of \S*{embedding.embeddings.path}[,;]", str(info.value))
+        assert "IndexedSlices" in str(info.value) and "None on that rank" in str(info.value)
+        for _ in range(2):  # every rank whole again, and the rows travel apart as before
+            got = run(False)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if log is not None:
+            log.close()
+    assert isinstance(got[0], tf.IndexedSlices)
+    with tf.GradientTape() as tape:  # plain TensorFlow: this rank's own gradients
+        loss = forward(False)
+    local = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, variables)]
+    every = COMM.allgather(local)
+    for k, g in enumerate(got):
+        np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(),
+                                   np.mean([e[k] for e in every], axis=0), rtol=1e-5, atol=1e-6,
+                                   err_msg=f"gradient {k}")
+
+
+def embedding_model(flag):
+    """(an Embedding whose rows are added to the input of failing_model, all variables)"""
+    keras.utils.set_random_seed(23)
+    embedding = keras.layers.Embedding(64, WIDTH)
+    embedding.build((None, 3))
+    model = failing_model(flag)
+    return embedding, model, [embedding.embeddings] + model.trainable_variables
+
+
+def embedding_loss(embedding, model, r, rows):
+    x, y = batch(r, rows)
+    ids = tf.constant(np.random.RandomState(r).randint(0, 64, size=(rows, 3)), tf.int32)
+    h = x + tf.reduce_mean(embedding(ids), axis=1)
+    return keras.losses.MeanSquaredError()(y, model(h, training=True))
+
+
+def average(grads):
+    """Every rank's gradient averaged: IndexedSlices as every rank's rows, in rank order."""
+    if isinstance(grads[0], tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([g.values for g in grads], 0) / N,
+                                tf.concat([g.indices for g in grads], 0), grads[0].dense_shape)
+    return tf.add_n(list(grads)) / N
+
+
+def test_a_step_failing_below_the_rows_bucket_fails_the_others_then_trains_on():
+    # Rank 1 fails before the bucket holding the Embedding's marker left, so no rank sends
+    # the rows (they go after that bucket): rank 1's next step must not announce them as
+    # never coming (nobody would answer, and its next rows would wait for ever).
+    _two_ranks()
+    log = fail_if_hung(120)
+    try:
+        flag = tf.Variable(0.0, trainable=False)
+        embedding, model, variables = embedding_model(flag)
+        opt = hvd_keras.DistributedOptimizer(keras.optimizers.Adam(1e-3))
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = embedding_loss(embedding, model, R, 32)
+            grads = tape.gradient(loss, variables)
+            opt.apply_gradients(zip(grads, variables))
+        step()
+        fail_on_rank_1(flag, lambda _: step(), 32)
+        flag.assign(0.0)
+        step()
+        step()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if log is not None:
+            log.close()
+    weights = [v.numpy() for v in variables]
+    same_on_every_rank(weights, "weight")
+    assert int(opt.iterations.numpy()) == 3  # the failed step counted nowhere
+    embedding, model, variables = embedding_model(tf.Variable(0.0, trainable=False))
+    plain = keras.optimizers.Adam(1e-3)  # plain Keras on every rank's gradients, 3 steps
+    for _ in range(3):
+        per_rank = []
+        for r in range(N):
+            with tf.GradientTape() as tape:
+                loss = embedding_loss(embedding, model, r, 32)
+            per_rank.append(tape.gradient(loss, variables))
+        plain.apply_gradients(zip([average(g) for g in zip(*per_rank)], variables))
+    for k, (got, want) in enumerate(zip(weights, variables)):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"weight {k}")
+
