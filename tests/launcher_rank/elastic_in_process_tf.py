@@ -1,0 +1,124 @@
+"""Elastic TensorFlow training without MPI whose survivors go on in-process, with a known
+result (the least squares of elastic_train.py) and a count of traces.
+
+--mode tape: a tf.function step with hvd.DistributedGradientTape and TensorFlowState;
+--mode fit:  Keras 3 model.fit with a DistributedOptimizer(SGD), KerasState and the three
+             elastic callbacks (commits at epoch ends).
+Per worker into OUTDIR: pid.<w>, steps.<w> (``<generation> <rank> <size> <step> <time>``),
+resets.<w> (``<generation> <size> <pid>``), traces.<w> (one line per trace of the step),
+final.<w>.npy.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from elastic_train import DIM, GLOBAL, LR, batch  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("outdir")
+    p.add_argument("--mode", choices=("tape", "fit"), default="tape")
+    p.add_argument("--steps", type=int, default=60, help="tape: steps; fit: steps per epoch")
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--commit-every", type=int, default=3)
+    p.add_argument("--sleep", type=float, default=0.05)
+    args = p.parse_args()
+
+    import keras
+    import tensorflow as tf
+    import horolite.tensorflow.keras as hvd
+    import horolite.tensorflow as htf
+    from horolite.elastic import in_process
+    keras.config.set_floatx("float64")
+    hvd.init()
+    me = os.environ["HOROLITE_ELASTIC_WORKER"]
+    out = lambda name: os.path.join(args.outdir, f"{name}.{me}")  # noqa: E731
+    with open(out("pid"), "w") as f:
+        f.write(str(os.getpid()))
+    log = open(out("steps"), "a")
+    traces = open(out("traces"), "a")
+
+    def on_reset():
+        with open(out("resets"), "a") as f:
+            f.write(f"{in_process.generation()} {hvd.size()} {os.getpid()}\n")
+
+    def shard(step):
+        x, y = batch(step)
+        part = slice(hvd.rank() * GLOBAL // hvd.size(), (hvd.rank() + 1) * GLOBAL // hvd.size())
+        return x[part], y[part]
+
+    def logged(step):
+        traces.write(f"step {in_process.generation()}\n")
+        log.write(f"{in_process.generation()} {hvd.rank()} {hvd.size()} {step} "
+                  f"{time.time():.6f}\n")
+        log.flush()
+
+    if args.mode == "tape":
+        w = tf.Variable(np.zeros(DIM), dtype=tf.float64)
+        state = htf.elastic.TensorFlowState([w], step=0)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, DIM], tf.float64),
+                                      tf.TensorSpec([None], tf.float64)])
+        def step(x, y):
+            traces.write("trace\n")
+            traces.flush()
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((tf.linalg.matvec(x, w) - y) ** 2)
+            tape = htf.DistributedGradientTape(tape)
+            w.assign_sub(LR * tape.gradient(loss, w))
+
+        @htf.elastic.run
+        def train(state):
+            while state.step < args.steps:
+                step(*shard(state.step))
+                state.step += 1
+                logged(state.step)
+                time.sleep(args.sleep)
+                if state.step % args.commit_every == 0:
+                    state.commit()
+        state.register_reset_callbacks([on_reset])
+        train(state)
+        final = w.numpy()
+    else:
+        class Traced(keras.layers.Layer):
+            def call(self, t):
+                if not tf.executing_eagerly():
+                    traces.write("trace\n")
+                    traces.flush()
+                return t
+
+        model = keras.Sequential([keras.Input((DIM,)), Traced(), keras.layers.Dense(
+            1, use_bias=False, kernel_initializer="zeros")])
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse")
+        state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+        state.register_reset_callbacks([on_reset])
+
+        class Log(keras.callbacks.Callback):
+            def on_train_batch_end(self, b, logs=None):
+                logged(b)
+                time.sleep(args.sleep)
+
+        callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
+                     hvd.elastic.UpdateBatchStateCallback(state),
+                     hvd.elastic.CommitStateCallback(state, batches_per_commit=10 ** 6), Log()]
+
+        @hvd.elastic.run
+        def train(state):
+            parts = [shard(s) for s in range(args.steps)]  # (this world's shard)
+            x = np.concatenate([a for a, _ in parts])
+            y = np.concatenate([b for _, b in parts])[:, None]
+            state.model.fit(x, y, batch_size=GLOBAL // hvd.size(), shuffle=False,
+                            epochs=args.epochs, initial_epoch=state.epoch, callbacks=callbacks,
+                            verbose=0)
+        train(state)
+        final = model.get_weights()[0][:, 0]
+    np.save(out("final") + ".npy", final)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
