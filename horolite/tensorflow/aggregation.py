@@ -43,7 +43,12 @@ class LocalAggregator:
             raise ValueError(f"backward_passes_per_step: got {len(grads)} gradients, but the "
                              f"aggregation state was built for {len(self.accumulators)}")
         pairs = [(a, g) for a, g in zip(self.accumulators, grads) if g is not None]
-        updates = [a.assign_add(g) for a, g in pairs]
+        # Every sum waits for every gradient of the pass: a pass whose backprop fails part
+        # way on this rank adds nothing (else the gradients made before the error stayed in
+        # the sums, and the next exchange reduced them with the passes that worked).
+        with tf.control_dependencies(after_all([g for _, g in pairs])
+                                     if not tf.executing_eagerly() else None):
+            updates = [a.assign_add(g) for a, g in pairs]
         with tf.control_dependencies(updates if not tf.executing_eagerly() else None):
             count = self.counter.assign_add(1)
         ready = tf.equal(count, self.passes)

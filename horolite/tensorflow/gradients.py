@@ -25,6 +25,7 @@ from .bridge import (_enqueue, across_traces, graph_unique_name, grouped_allredu
                      run_alone, wait)
 from .adasum import check_adasum
 from .bucket_order import BucketOrder
+from . import update_barrier
 from .bucket_slots import naming_members, placeholder, slot_nbytes, sparse_marker
 from .mpi_ops import _check_op
 from .process_sets import check_process_set, global_process_set, reduces_here, set_size
@@ -360,6 +361,11 @@ def _after_every_request(out: List, reduced: List[int], placeholders: List) -> N
             g = out[i]
             out[i] = (tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
                       if isinstance(g, tf.IndexedSlices) else tf.identity(g))
+    # A Keras optimizer given these runs all of its update after them, the parts that
+    # need no gradient too (iterations, weight decay): update_barrier.py.
+    update_barrier.mark([out[i].values if isinstance(out[i], tf.IndexedSlices) else out[i]
+                         for i in reduced])
+    update_barrier.install()
 
 
 def after_all(deps: Sequence) -> List:

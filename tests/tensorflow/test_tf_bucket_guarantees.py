@@ -7,6 +7,10 @@ thread's stack in its log rather than the driver's timeout.
 - A gradient that is tf.IndexedSlices on one rank and None on another fails every rank at
   once, naming the variable and the ranks; the rows of a sparse gradient go only after
   the bucket that holds its marker, so a step failing below it leaves nothing behind.
+- With backward_passes_per_step > 1, a pass that fails part way adds nothing to the sums.
+- With DistributedGradientTape and the user's own Keras optimizer, a failed step applies
+  nothing on any rank: neither the gradients nor what needs none (AdamW's weight decay,
+  iterations).
 Values are checked against plain Keras on every rank's batches (gradients exchanged with
 mpi4py, never with horolite).
 """
@@ -159,5 +163,102 @@ def test_a_step_failing_below_the_rows_bucket_fails_the_others_then_trains_on():
             per_rank.append(tape.gradient(loss, variables))
         plain.apply_gradients(zip([average(g) for g in zip(*per_rank)], variables))
     for k, (got, want) in enumerate(zip(weights, variables)):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"weight {k}")
+
+
+# ---- a pass that fails part way, with backward_passes_per_step=2 ----
+
+def plain_gradients(model, r, rows):
+    """Plain TensorFlow: rank r's gradients on its batch of `rows`."""
+    x, y = batch(r, rows)
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def test_a_pass_failing_part_way_adds_nothing_to_the_aggregated_sums():
+    # Rank 1's second (exchanging) pass fails after the upper layers' gradients exist, then
+    # it runs that pass again. Before, they were already in its sums, so its retry added
+    # them twice and every rank applied that wrong update alike. Now the failed pass adds
+    # nothing: the update is plain SGD on both passes' batches averaged over the ranks.
+    _two_ranks()
+    log = fail_if_hung(120)
+    try:
+        flag = tf.Variable(0.0, trainable=False)
+        model = failing_model(flag)
+        opt = keras.optimizers.SGD(0.1)  # zeros (the pass that does not exchange) change nothing
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+            tape = hvd.DistributedGradientTape(tape, backward_passes_per_step=2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        step(*batch(R, 32))
+        flag.assign(1.0 if R == 1 else 0.0)
+        if R == 1:  # (the others' pass waits in the exchange for rank 1's retry)
+            with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
+                step(*batch(R, 48))
+            flag.assign(0.0)
+        step(*batch(R, 48))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if log is not None:
+            log.close()
+    weights = [v.numpy() for v in model.trainable_variables]
+    same_on_every_rank(weights, "weight")
+    plain = failing_model(tf.Variable(0.0, trainable=False))
+    every = [[a + b for a, b in zip(plain_gradients(plain, r, 32), plain_gradients(plain, r, 48))]
+             for r in range(N)]
+    for k, (got, v) in enumerate(zip(weights, plain.trainable_variables)):
+        want = v.numpy() - 0.1 * np.mean([e[k].numpy() for e in every], axis=0)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"weight {k}")
+
+
+# ---- the tape with the user's own Keras optimizer: what needs no gradient ----
+
+def test_a_tape_step_failing_on_one_rank_applies_no_weight_decay_anywhere():
+    # AdamW's weight decay and its iterations need no gradient: before, they ran during the
+    # failed step on every rank whose error had not yet stopped it. Now every op of the
+    # update waits for every bucket, and afterwards training goes on as plain Keras would
+    # without the failed step.
+    _two_ranks()
+    log = fail_if_hung(120)
+    try:
+        flag = tf.Variable(0.0, trainable=False)
+        model = failing_model(flag)
+        opt = keras.optimizers.AdamW(1e-3, weight_decay=0.1)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+            tape = hvd.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        run = lambda rows: step(*batch(R, rows))  # noqa: E731
+        run(32)
+        before = [v.numpy() for v in model.trainable_variables]
+        fail_on_rank_1(flag, run, 32)
+        for k, (v, b) in enumerate(zip(model.trainable_variables, before)):
+            np.testing.assert_array_equal(v.numpy(), b, err_msg=f"weight {k} changed in the failed step")
+        assert int(opt.iterations.numpy()) == 1
+        flag.assign(0.0)
+        run(32)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        if log is not None:
+            log.close()
+    weights = [v.numpy() for v in model.trainable_variables]
+    same_on_every_rank(weights, "weight")
+    same_on_every_rank([v.numpy() for v in opt.variables], "optimizer variable")
+    plain = failing_model(tf.Variable(0.0, trainable=False))
+    plain_opt = keras.optimizers.AdamW(1e-3, weight_decay=0.1)
+    for _ in range(2):
+        every = [plain_gradients(plain, r, 32) for r in range(N)]
+        plain_opt.apply_gradients(zip([tf.add_n(list(g)) / N for g in zip(*every)],
+                                      plain.trainable_variables))
+    for k, (got, want) in enumerate(zip(weights, plain.trainable_variables)):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"weight {k}")
 
