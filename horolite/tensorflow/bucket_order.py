@@ -18,27 +18,37 @@ holds back at most the rest of backprop behind one bucket's last gradient.
 
 No edge may close a cycle. Only ops of the graph being built are touched, never
 a stateful one, and only ops not already before the enqueue. In a tf.function,
-TensorFlow also chains the stateful ops that take no resource (an enqueue among
-them) in the order they were made, after tracing: a collective inside backprop
-(SyncBatchNormalization's gradient, any horolite collective with a gradient) was
-made before every bucket's enqueue, so the enqueue comes after it. An op that
-such a collective needs therefore never waits for an enqueue: the buckets then
-leave once backprop has passed the lowest such collective.
+TensorFlow also orders ops after tracing (auto_control_deps): the stateful ops that
+take no resource (an enqueue among them) in the order they were made, and the ops
+that use one resource in the order they were made (a write after the earlier reads
+and writes, a read after the earlier write). An op that such an order will put
+before an enqueue, and whatever it needs, therefore never waits for that enqueue.
+A collective inside backprop (SyncBatchNormalization's gradient, any horolite
+collective with a gradient) was made before every bucket's enqueue, so the buckets
+leave once backprop has passed the lowest such collective; a variable that backprop
+writes (a custom gradient keeping a record) holds back what its earlier uses need.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Set
+from typing import Dict, Iterable, List, Set
 
-import tensorflow as tf
+from tensorflow.python.framework import auto_control_deps, ops as tf_ops
 
 __all__ = ["BucketOrder", "chained_in_program_order"]
 
 
 def chained_in_program_order(op) -> bool:
     """Whether tf.function orders `op` with every other such op in the order they were
-    made (auto_control_deps: stateful, no resource input, outside TF1 control flow)."""
-    return (op._is_stateful and op._get_control_flow_context() is None
-            and not any(t.dtype == tf.resource for t in op.inputs))
+    made (auto_control_deps: TensorFlow's own test of a stateful op, no resource input,
+    outside TF1 control flow)."""
+    return (auto_control_deps.op_is_stateful(op) and op._get_control_flow_context() is None
+            and not _resource_inputs(op))
+
+
+def _resource_inputs(op) -> List:
+    """[(resource tensor id, whether `op` only reads it)], as auto_control_deps sees them."""
+    return [(tf_ops.tensor_id(t), kind == auto_control_deps.ResourceType.READ_ONLY)
+            for t, kind in auto_control_deps._get_resource_inputs(op)]
 
 
 class BucketOrder:
@@ -48,13 +58,19 @@ class BucketOrder:
         self.graph = graph
         self.before: Set = set()  # every op the latest enqueue depends on, and it
         self.latest = None
-        # TF1 graphs run what the edges say; a tf.function adds the chain above.
+        # TF1 graphs run what the edges say; a tf.function adds the orders above.
         self.chains = bool(getattr(graph, "building_function", False))
-        # The chained ops seen so far, in creation order, and the last op id scanned: the
-        # graph is read once for all buckets, not once per bucket (that was
-        # O(buckets x ops): +10 s of tracing at 1000 buckets).
-        self._chained: List = []
+        # What those orders will put before an enqueue that it does not depend on yet,
+        # and what that needs: no edge goes there.
+        self.later: Set = set()
+        # The ops each op will wait for after tracing (by those orders), for the ops made
+        # so far; the graph is read once for all buckets, in creation order (per bucket
+        # it was O(buckets x ops): +10 s of tracing at 1000 buckets).
+        self._orders: Dict = {}
         self._scanned = -1
+        self._last_chained = None
+        self._last_write: Dict = {}
+        self._reads: Dict = {}
 
     def enqueued(self, enqueue_op) -> None:
         """`enqueue_op` (a bucket's) was just made: everything it needs comes before it."""
@@ -67,11 +83,9 @@ class BucketOrder:
         if self.latest is None:
             return 0
         rest = self._not_before([t.op for t in tensors if t.graph is self.graph])
-        # Ops that a chained op made before the enqueue needs: an edge there is a cycle.
-        feeds_chain = self._not_before(self._chained_before(self.latest)) if self.chains else set()
         added = 0
         for op in rest:
-            if op._is_stateful or op._get_control_flow_context() is not None or op in feeds_chain:
+            if op._is_stateful or op._get_control_flow_context() is not None or op in self.later:
                 continue  # (TF1 loops and conds take no control input from outside)
             # The first ops of the rest of backprop: none of their inputs is in it.
             if any(t.op in rest for t in op.inputs) or any(c in rest for c in op.control_inputs):
@@ -80,15 +94,31 @@ class BucketOrder:
             added += 1
         return added
 
-    def _chained_before(self, enqueue) -> List:
-        """The chained ops made before `enqueue` that it does not already depend on."""
-        if enqueue._id > self._scanned + 1:
-            by_id = self.graph._nodes_by_id
-            for i in range(self._scanned + 1, enqueue._id):
-                if i in by_id and chained_in_program_order(by_id[i]):
-                    self._chained.append(by_id[i])
-            self._scanned = enqueue._id - 1
-        return [op for op in self._chained if op._id < enqueue._id and op not in self.before]
+    def _scan(self, upto: int) -> None:
+        """Note what TensorFlow will order each op made before op id `upto` after (as
+        auto_control_deps does, in creation order)."""
+        by_id = self.graph._nodes_by_id
+        for i in range(self._scanned + 1, upto):
+            op = by_id[i] if i in by_id else None
+            if op is None or op._get_control_flow_context() is not None:
+                continue
+            after = []
+            resources = _resource_inputs(op)
+            for key, read_only in dict(resources).items():
+                if key in self._last_write:
+                    after.append(self._last_write[key])
+                if read_only:
+                    self._reads.setdefault(key, []).append(op)
+                else:
+                    after.extend(self._reads.pop(key, []))
+                    self._last_write[key] = op
+            if not resources and auto_control_deps.op_is_stateful(op):
+                if self._last_chained is not None:
+                    after.append(self._last_chained)
+                self._last_chained = op
+            if after:
+                self._orders[op] = after
+        self._scanned = max(self._scanned, upto - 1)
 
     def _not_before(self, ops) -> Set:
         """`ops` and their ancestors that the latest enqueue does not need."""
@@ -103,11 +133,26 @@ class BucketOrder:
         return found
 
     def _ancestors(self, ops) -> None:
-        before, stack = self.before, list(ops)
+        """Add `ops` and their ancestors to `before`, and (in a tf.function) what
+        TensorFlow's orders will put before them, with its ancestors, to `later`."""
+        if self.chains:
+            self._scan(max(op._id for op in ops) + 1)
+        before, later, stack = self.before, self.later, list(ops)
+        ordered = []  # ops whose orders are still to follow
         while stack:
             op = stack.pop()
             if op in before or op.graph is not self.graph:
                 continue
             before.add(op)
+            ordered.append(op)
             stack.extend(t.op for t in op.inputs)
             stack.extend(op.control_inputs)
+        stack = [o for op in ordered for o in self._orders.get(op, ())]
+        while stack:
+            op = stack.pop()
+            if op in before or op in later or op.graph is not self.graph:
+                continue
+            later.add(op)
+            stack.extend(t.op for t in op.inputs)
+            stack.extend(op.control_inputs)
+            stack.extend(self._orders.get(op, ()))

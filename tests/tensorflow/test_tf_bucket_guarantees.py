@@ -262,3 +262,47 @@ def test_a_tape_step_failing_on_one_rank_applies_no_weight_decay_anywhere():
     for k, (got, want) in enumerate(zip(weights, plain.trainable_variables)):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"weight {k}")
 
+
+# ---- backprop that writes a variable, with tied weights: no cycle ----
+
+def test_backprop_writing_a_variable_twice_with_tied_weights_makes_no_cycle():
+    # A custom gradient adds to a variable in backprop twice (a gradient-norm record, the
+    # lower write under a control dependency), and a weight used at the bottom and the top
+    # has its gradient in the first bucket, made late. TensorFlow orders the two writes
+    # after tracing: the first bucket's edge into the rest of backprop then closed a
+    # cycle through them ("nodes in a cycle" on the first call). Now no edge goes where
+    # TensorFlow's per-resource order leads back to the bucket's enqueue.
+    _two_ranks()
+    width = 384  # each weight larger than the first bucket: one bucket each
+    rng = np.random.RandomState(29)
+    tied, w1, w2 = [tf.Variable(rng.normal(0, 0.05, (width, width)).astype(np.float32))
+                    for _ in range(3)]
+    record = tf.Variable(0.0)
+
+    @tf.custom_gradient
+    def tap(x):  # identity; its backward adds |dy|^2 to `record`
+        def grad(dy):
+            with tf.control_dependencies([record.assign_add(tf.reduce_sum(dy * dy))]):
+                return tf.identity(dy)
+        return tf.identity(x), grad
+
+    def loss_of(x):
+        h = tap(x @ tied)
+        h = tf.tanh(h @ w1)
+        h = tf.tanh(h @ tap(tf.identity(w2)))
+        return tf.reduce_mean(tf.square(h @ tied))
+    variables = [w1, w2, tied]
+    x = tf.constant(np.random.RandomState(R).normal(size=(16, width)).astype(np.float32))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = loss_of(x)
+        return hvd.DistributedGradientTape(tape).gradient(loss, variables)
+    got = [g.numpy() for g in step()]
+    with tf.GradientTape() as tape:  # plain TensorFlow, this rank's own gradients
+        loss = loss_of(x)
+    every = COMM.allgather([g.numpy() for g in tape.gradient(loss, variables)])
+    for k, g in enumerate(got):
+        np.testing.assert_allclose(g, np.mean([e[k] for e in every], axis=0), rtol=1e-5,
+                                   atol=1e-6, err_msg=f"gradient {k}")
