@@ -49,6 +49,7 @@ DISCOVERY_SECONDS = 1.0  # Horovod asks its discovery script about once a second
 # A worker the survivors name as lost whose process has not ended this long after is
 # taken for hung (stopped, or on a host cut off) and ended.
 BLAME_GRACE_SECONDS = 0.25
+STOP_SECONDS = 5.0  # how long workers have to end at the job's end (SIGTERM, then SIGKILL)
 
 
 def _log(message: str) -> None:
@@ -144,12 +145,15 @@ class _Driver:
         finally:
             for worker in self.workers:
                 worker.stop(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_SECONDS
             for worker in self.workers:
                 try:
-                    worker.proc.wait(timeout=10)
+                    worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    worker.proc.kill()
-                worker.join_relays(5)
+                    worker.proc.kill()  # (an ssh to a host cut off: its wrapper ends alone)
+                    worker.proc.wait()
+            for worker in self.workers:
+                worker.join_relays(max(0.1, deadline + 1 - time.monotonic()))
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.server.close()

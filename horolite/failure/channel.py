@@ -213,9 +213,17 @@ class FailureChannel:
         if not self._in_failed_job() or self._said_ended:
             return
         self._said_ended = True
-        requests = [self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=q, tag=_ENDED_TAG)
-                    for q in self._reachable_peers()]
-        _wait_until(requests, time.monotonic() + 0.5)
+        requests = []
+        for q in self._reachable_peers():
+            try:
+                requests.append(self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=q,
+                                                tag=_ENDED_TAG))
+            except LinkLost:  # (its connection closed since: it ended, nothing to tell)
+                pass
+        try:
+            _wait_until(requests, time.monotonic() + 0.5)
+        except LinkLost:
+            pass
 
     def await_ended(self, seconds: float) -> bool:
         """Before a rank of a failed job ends: wait up to `seconds` for every peer to say

@@ -1,0 +1,85 @@
+"""Elastic training without MPI across simulated hosts (hl-a:2, hl-b:2, real sshd): the
+survivors of a failure go on in their running processes, and a new worker started over
+ssh joins at a commit (launcher/elastic_gloo.py, horolite/elastic/in_process.py).
+Every run is checked against NumPy (tests/launcher_rank/elastic_train.py's reference)."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jobs import HOROLITE_RUN, ROOT, stopped_at_exit
+from test_multihost_gloo import _job_processes
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "launcher"))
+from test_launcher_elastic_gloo import (check_finals, first_step_after, full_world,  # noqa: E402
+                                        lines, pid, stepping, until)
+
+IN_PROCESS = os.path.join(ROOT, "tests", "launcher_rank", "elastic_in_process.py")
+HOST_OF = {"w0": "hl-a", "w1": "hl-a", "w2": "hl-b", "w3": "hl-b"}
+
+
+def _job(bed, tmp_path, *flags, env=None):
+    return bed.popen(0, [HOROLITE_RUN, "--gloo", "-H", "hl-a:2,hl-b:2", "-np", "4",
+                         "--min-np", "2", *flags, "python", IN_PROCESS, str(tmp_path),
+                         "--steps", "100000", "--commit-every", "3", "--sleep", "0.02",
+                         "--until-file", str(tmp_path / "stop")],
+                     text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     env=dict(os.environ, HOROLITE_MPIRUN="/nonexistent/mpirun", **(env or {})))
+
+
+def _finish(job, tmp_path):
+    (tmp_path / "stop").write_text("")
+    _, err = job.communicate(timeout=120)
+    return err
+
+
+def test_kill_9_of_a_remote_rank_the_others_go_on_and_a_new_worker_joins_over_ssh(
+        bed, no_leftovers, tmp_path):
+    job = _job(bed, tmp_path)
+    with stopped_at_exit(job):
+        until(lambda: full_world(tmp_path, 4), job, "generation 0", 120)
+        killed_at = time.time()
+        bed.on("hl-b", ["kill", "-9", str(pid(tmp_path, "w3"))])
+        until(lambda: stepping(tmp_path).get("w4", (-1,))[0] == 2 and full_world(tmp_path, 4),
+              job, "w4's join", 120)
+        err = _finish(job, tmp_path)
+    assert re.search(r"generation 0: rank 3 \(w3, host hl-b\) was killed by signal 9 "
+                     r"\(SIGKILL\); generation 1: 3 rank\(s\) go on", err), err[-3000:]
+    assert "w4 starts on hl-b" in err and "w4 (host hl-b) joins" in err, err[-3000:]
+    done = check_finals(tmp_path, job, err)
+    assert sorted(done) == ["w0", "w1", "w2", "w4"]
+    for w in ("w0", "w1", "w2"):
+        assert [r[:2] for r in lines(tmp_path, "resets", w)] == [["1", "3"], ["2", "4"]], w
+    print(f"2x2: from kill -9 of a remote rank to the survivors' next step: "
+          f"{first_step_after(tmp_path, 0) - killed_at:.2f} s")
+
+
+def test_a_host_cut_off_for_good_its_ranks_are_evicted_and_the_others_go_on(
+        bed, no_leftovers, tmp_path):
+    job = _job(bed, tmp_path, "--stall-check-warning-time-seconds", "1",
+               "--stall-check-shutdown-time-seconds", "3", "--gloo-timeout-seconds", "8")
+    with stopped_at_exit(job):
+        until(lambda: full_world(tmp_path, 4), job, "generation 0", 120)
+        try:
+            bed.link("hl-b", up=False)
+            down = time.time()
+            until(lambda: full_world(tmp_path, 2), job, "the world of hl-a's ranks", 60)
+            took = first_step_after(tmp_path, 0) - down
+            time.sleep(1)
+            err = _finish(job, tmp_path)
+            # hl-b's ranks, cut off from the rendezvous too, give up on their own.
+            deadline = time.monotonic() + 40
+            while _job_processes(bed, "hl-b") and time.monotonic() < deadline:
+                time.sleep(0.5)
+        finally:
+            bed.link("hl-b", up=True)
+    assert re.search(r"generation 0: rank [23] \(w[23], host hl-b\) was named by w[01] as a "
+                     r"rank it lost; rank [23] \(w[23], host hl-b\) was named by w[01] as a "
+                     r"rank it lost; generation 1: 2 rank\(s\) go on", err), err[-3000:]
+    assert sorted(check_finals(tmp_path, job, err)) == ["w0", "w1"]
+    print(f"2x2, hl-b cut off: from the cut to the survivors' next step: {took:.2f} s "
+          "(stall shutdown 3 s)")
