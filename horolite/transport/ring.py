@@ -15,11 +15,21 @@ reduction of one piece overlaps the transfer of the next. A whole step sent as
 one message, each phase after the other, left the link idle between them and
 reached about 0.6 of a 1 Gbit/s link where the pipeline reaches 0.9.
 
+Sends go out in the schedule's order (receives are matched in the order they
+were posted, as MPI matches them). Over a link that holds a message arriving
+before its receive in memory (horolite's TCP connections: `buffers_early`), at
+most WINDOW more than the pieces that have arrived: the first step's pieces
+WINDOW at a time, then one more for each piece that arrives from the left
+neighbour, which sends under the same rule. So a rank that enters late finds at
+most about WINDOW pieces waiting for it (copied once more, held in memory), not
+a whole segment. (MPI's large messages wait for their receive by themselves.)
+
 The schedule is a generator (`steps`) that yields each request it must wait
 for, so several rings can be driven at once (transport/hierarchical.py).
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterator, List, Optional, Sequence
 
 import numpy as np
@@ -31,8 +41,11 @@ __all__ = ["Ring", "even_bounds", "row_bounds", "PIECE_BYTES"]
 
 # Steps larger than this travel as several messages.
 PIECE_BYTES = 1 << 20
-# Scatter-reduce pieces received ahead of the one being reduced (each needs a scratch slot).
+# Scatter-reduce pieces received ahead of the one being reduced (each needs a scratch slot),
+# and sends made ahead of the pieces received.
 WINDOW = 8
+# False: the first step's pieces all go out at once (bench/ring_send_ahead.py's A/B).
+PACED = True
 
 
 def even_bounds(count: int, parts: int) -> List[int]:
@@ -146,8 +159,26 @@ class Ring:
             if source is dst:
                 sending[(plan[step][0], k)] = req
 
+        backlog = deque()  # sends due and not yet made, in order: (step, piece, lo, hi)
+        queued = set()  # their (segment, piece)
+        paced = PACED and getattr(link, "buffers_early", False)
+        credit = [WINDOW if paced else 1 << 62]  # sends that may still be made
+
+        def due(step, k, lo, hi):
+            backlog.append((step, k, lo, hi))
+            queued.add((plan[step][0], k))
+
+        def flush(needed=None):
+            """Make the sends the credit allows, and every one up to `needed`."""
+            while backlog and (credit[0] > 0 or needed in queued):
+                step, k, lo, hi = backlog.popleft()
+                queued.discard((plan[step][0], k))
+                credit[0] -= 1
+                send(step, k, lo, hi)
+
         for k, (lo, hi) in enumerate(pieces[plan[0][0]]):
-            send(0, k, lo, hi)
+            due(0, k, lo, hi)
+        flush()
         order = [(i, k) for i, (_, seg, _) in enumerate(plan) for k in range(len(pieces[seg]))]
         posted: List = []  # (step, piece, request, slot) in order
         free = list(range(len(slots) if reduce else 0))
@@ -164,6 +195,8 @@ class Ring:
                     into = slots[slot][:hi - lo]
                 else:
                     slot, into = -1, dst[lo:hi]
+                    if (seg, k) in queued:  # its send reads there: made first
+                        flush((seg, k))
                     busy = sending.pop((seg, k), None)
                     if busy is not None:  # MPI: no receive into a buffer still being sent
                         sends[:] = [q for q in sends if q is not busy]
@@ -181,8 +214,12 @@ class Ring:
                 kernels.reduce_into(target, slots[slot][:hi - lo], op,
                                     postscale if i == last_reduce else 1.0)
                 free.append(slot)
+            credit[0] += 1  # a piece arrived
             if i + 1 < len(plan):
-                send(i + 1, k, lo, hi)
+                due(i + 1, k, lo, hi)
+            flush()
+        credit[0] = 1 << 62
+        flush()  # (none left, as a rule)
         for req in sends:
             yield req
 

@@ -378,6 +378,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
 class TcpLink:
     """What transport/ring.py's Ring drives: messages to the ranks of one ring (`ranks`,
     their job ranks) over the mesh's peers, and waits that sleep until a completion."""
+    buffers_early = True  # a message ahead of its receive is held in memory: Ring paces
 
     def __init__(self, mesh, link_id: int, ranks: Sequence[int], waiter):
         """waiter: the transport's MPI waiter, whose `watch` is called while a wait lasts."""
