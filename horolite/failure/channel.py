@@ -184,12 +184,13 @@ class FailureChannel:
         then wait for each other's confirmation; the ranks still end together (say_ended).
         False if this rank already announced or heard of a failure."""
         self.gone.add(origin)
-        if self.sent is not None or self.check() is not None or self.size == 1 or \
-                self.silent():
+        if self.sent is not None or self.check() is not None or self.size == 1:
+            return False
+        peers = self._reachable_peers()  # (looks at MPI's links first: silent may change)
+        if self.silent():
             return False
         self.sent = Notice(self.rank, text, origin)
         data = np.frombuffer(self.sent.encode(), dtype=np.uint8)
-        peers = self._reachable_peers()
         requests = [self.comm.Isend(data, dest=q, tag=_TAG) for q in peers]
         # (free to end at once: nobody waits for this rank's confirmation round)
         requests += [self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=q, tag=_RELEASE_TAG)
