@@ -38,6 +38,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..failure.links import LinkLost
+from .tcp_io import check_contiguous as _check_contiguous, recv_exactly as _recv_exactly
+from .tcp_io import send_all as _send_all
 
 __all__ = ["Request", "Peer", "TcpLink", "WATCH_EVERY"]
 
@@ -337,42 +339,6 @@ class Peer:
             except OSError:
                 pass
             sock.close()
-
-
-def _check_contiguous(buf) -> None:
-    """On the caller's thread: an I/O thread cannot send or fill a strided view."""
-    if not memoryview(buf).c_contiguous:
-        raise ValueError("horolite's TCP connections send and receive contiguous buffers "
-                         "only (got a strided view)")
-
-
-def _send_all(sock: socket.socket, header: bytes, buf) -> None:
-    views = [memoryview(header)]
-    body = memoryview(buf).cast("B")
-    if body.nbytes:
-        views.append(body)
-    while views:
-        sent = sock.sendmsg(views)
-        while sent:
-            if sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view`; False if the connection ended before its first byte (an orderly end)."""
-    got, total = 0, view.nbytes
-    while got < total:
-        n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)  # (one wake-up a piece)
-        if n == 0:
-            if got == 0:
-                return False
-            raise ConnectionResetError("the connection closed inside a message")
-        got += n
-    return True
 
 
 class TcpLink:
