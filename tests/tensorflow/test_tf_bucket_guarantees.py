@@ -306,3 +306,43 @@ def test_backprop_writing_a_variable_twice_with_tied_weights_makes_no_cycle():
     for k, g in enumerate(got):
         np.testing.assert_allclose(g, np.mean([e[k] for e in every], axis=0), rtol=1e-5,
                                    atol=1e-6, err_msg=f"gradient {k}")
+
+
+def test_a_legacy_random_op_low_in_backprop_keeps_every_bucket_in_backprops_order():
+    # TensorFlow does not chain legacy random ops (nor CudnnRNN, the GPU LSTM's): counted
+    # as chained, one at the bottom of backprop kept the edges off the chain of gradients
+    # with respect to the layers' inputs, which TensorFlow's executor then followed to its
+    # end before any bucket left.
+    _two_ranks()
+
+    @tf.custom_gradient
+    def jitter(x):  # identity; its backward draws from a legacy (stateful) random op
+        def grad(dy):
+            return dy + tf.compat.v1.random_shuffle(dy * 0.0)  # (zeros, from dy)
+        return tf.identity(x), grad
+
+    def held_ops(with_jitter):
+        """(ops that wait for a bucket's enqueue, enqueues) in a tape step's graph"""
+        keras.utils.set_random_seed(31)
+        layers = [keras.layers.Dense(256, activation="tanh") for _ in range(8)]  # a bucket each
+        model = keras.Sequential([keras.Input((WIDTH,))] + layers)
+        x = batch(R, 16)[0]
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                h = layers[0](x)
+                h = jitter(h) if with_jitter else tf.identity(h)
+                for layer in layers[1:]:
+                    h = layer(h)
+                loss = tf.reduce_mean(h)
+            return hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        graph = step.get_concrete_function().graph
+        assert with_jitter == any(op.type == "RandomShuffle" for op in graph.get_operations())
+        enqueues = {op for op in graph.get_operations() if op.type == "HorolitEnqueue"}
+        held = [op for op in graph.get_operations() if op.type not in ("NoOp", "Identity")
+                and any(c in enqueues for c in op.control_inputs)]
+        return len(held), len(enqueues)
+    plain, jittered = held_ops(False), held_ops(True)
+    assert plain[1] >= 4 and jittered[1] == plain[1]
+    assert jittered[0] >= plain[0], f"{jittered[0]} ops wait for an enqueue, {plain[0]} without it"
