@@ -129,8 +129,9 @@ def join(environ, open_world: Callable):
                     host_label=environ.get("HOROLITE_HOSTNAME"))
     c = client(base, environ)
     try:
+        seen = latest(c)  # (before saying it is ready: the plan that adds it comes after)
         c.put(SCOPE, f"ready.{worker(environ)}", b"1")
-        entered = enter_next(c, base, latest(c), open_world, True, environ)
+        entered = enter_next(c, base, seen, open_world, True, environ)
         c.put(SCOPE, f"entered.{worker(environ)}", str(entered).encode())
         return entered
     finally:

@@ -43,7 +43,10 @@ def until(predicate, proc, what, seconds=90):
     deadline = time.monotonic() + seconds
     while not predicate():
         assert proc.poll() is None, f"the job ended early:\n{proc.stderr.read()[-4000:]}"
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
+        if time.monotonic() >= deadline:
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+            raise AssertionError(f"{what} did not happen within {seconds} s:\n{err[-6000:]}")
         time.sleep(0.02)
 
 
