@@ -270,3 +270,14 @@ def test_world_compare_prints_every_ratio():
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[4]) > 0 and cells[5].endswith(("met", "missed")), row
+
+
+def test_elastic_in_process_prints_every_figure():
+    # One round at np 2: a job with --min-np whose rank 1 is killed, and one without.
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "elastic_in_process.py"),
+                           "--np", "2", "--rounds", "1"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = proc.stdout.splitlines()[-1].split()
+    assert row[0] == "2" and float(row[1]) > 0 and float(row[3]) > 0, proc.stdout
+    assert row[5].endswith("x") and float(row[5][:-1]) > 0, proc.stdout

@@ -5,6 +5,7 @@ hierarchical collectives) asks here, so one test-only variable can make the rank
 of one machine look like several hosts and run the multi-host paths on one machine:
 
     HOROLITE_TEST_HOST_IDENTITY=2+1+1   # job ranks 0-1 on one host, 2 and 3 on one each
+    HOROLITE_TEST_HOST_IDENTITY=each    # every rank on a host of its own
 
 It is for this repository's tests only (the HOROLITE_TEST_ prefix), never a user
 setting: ranks on pretend hosts still share the machine's memory and cores.
@@ -26,6 +27,8 @@ def pretend_layout() -> Optional[List[int]]:
     raw = os.environ.get(VARIABLE, "").strip()
     if not raw:
         return None
+    if raw == "each":  # (every rank a host of its own, whatever the size: elastic jobs)
+        return [1] * MPI.COMM_WORLD.Get_size()
     try:
         sizes = [int(part) for part in raw.split("+")]
     except ValueError:

@@ -24,7 +24,9 @@ from ..core import mpi_library
 from ..world import generations
 from .session import log
 
-__all__ = ["enabled", "generation", "rejoin", "newest_announced"]
+__all__ = ["enabled", "generation", "rejoin", "newest_announced", "last_rejoin_seconds"]
+
+last_rejoin_seconds = 0.0  # how long the last move to a new generation took (logged too)
 
 
 def enabled() -> bool:
@@ -95,7 +97,9 @@ def rejoin(error: Optional[BaseException]) -> int:
     finally:
         c.close()
     basics.init()
+    global last_rejoin_seconds
+    last_rejoin_seconds = time.perf_counter() - started
     log.info("rank %d of %d: generation %d formed in %.2f s (%s)", basics.rank(),
-             basics.size(), newest, time.perf_counter() - started,
+             basics.size(), newest, last_rejoin_seconds,
              f"after: {error}" if error is not None else "at a commit")
     return newest
