@@ -202,3 +202,11 @@ def test_below_min_np_the_survivor_waits_for_a_new_worker(start, tmp_path):
                      r"\(SIGKILL\); w2 \(host localhost\) joins; generation 1: 2 rank\(s\)",
                      err), err[-3000:]
     assert sorted(check_finals(tmp_path, proc, err)) == ["w0", "w2"]
+
+
+def test_when_horolite_run_dies_every_worker_ends(start, tmp_path):
+    proc = start_job(start, tmp_path, 3, 2)
+    until(lambda: full_world(tmp_path, 3), proc, "generation 0")
+    proc.kill()  # SIGKILL: no clean-up of its own
+    proc.wait()
+    assert not wait_until_gone(str(tmp_path), 10), "workers outlived horolite-run"
