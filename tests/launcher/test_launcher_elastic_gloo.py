@@ -210,3 +210,26 @@ def test_when_horolite_run_dies_every_worker_ends(start, tmp_path):
     proc.kill()  # SIGKILL: no clean-up of its own
     proc.wait()
     assert not wait_until_gone(str(tmp_path), 10), "workers outlived horolite-run"
+
+
+def test_slots_from_the_discovery_script_join_and_leave_at_a_commit(start, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    proc = start_job(start, tmp_path, 2, 1, "--host-discovery-script", script)
+    until(lambda: full_world(tmp_path, 2), proc, "generation 0")
+    hosts.write_text("localhost:3\n")
+    until(lambda: full_world(tmp_path, 3), proc, "w2's join")
+    hosts.write_text("localhost:2\n")
+    until(lambda: full_world(tmp_path, 2) and "w2" not in stepping(tmp_path), proc,
+          "w2's leaving")
+    err = finish(proc, tmp_path)
+    assert "generation 0: w2 (host localhost) joins; generation 1: 3 rank(s), from the next " \
+           "commit" in err, err[-3000:]
+    assert "generation 1: rank 2 (w2) leaves: host localhost offers fewer slots; generation " \
+           "2: 2 rank(s), from the next commit" in err, err[-3000:]
+    assert sorted(check_finals(tmp_path, proc, err)) == ["w0", "w1"]
+    # w2 left when its plan left it out: it ended well, without its final state.
+    assert lines(tmp_path, "steps", "w2") and not os.path.exists(tmp_path / "final.w2.npy")
