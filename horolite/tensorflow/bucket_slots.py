@@ -53,8 +53,9 @@ def dtype_of(variable) -> tf.DType:
 
 def placeholder(variable) -> tf.Tensor:
     """What a None gradient sends in its bucket: shape (0,), its variable's dtype. Where
-    every rank has None it carries nothing (docs/tensorflow.md says what it costs); where another rank has a gradient, the bucket's
-    member shapes differ and every rank gets the mismatch naming both. Its static shape
+    every rank has None it carries nothing (docs/tensorflow.md says what it costs); where
+    another rank has a gradient, the bucket's member shapes differ and every rank gets the
+    mismatch naming both. Its static shape
     stays unknown: TensorFlow replaces an op whose output it knows to be empty with a
     constant, and the wait that raises the mismatch would not run."""
     return _empty(variable, [0])

@@ -26,6 +26,7 @@ from .bridge import (_enqueue, across_traces, graph_unique_name, grouped_allredu
 from .adasum import check_adasum
 from .bucket_order import BucketOrder
 from . import update_barrier
+from .update_barrier import after_all
 from .bucket_slots import naming_members, placeholder, slot_nbytes, sparse_marker
 from .mpi_ops import _check_op
 from .process_sets import check_process_set, global_process_set, reduces_here, set_size
@@ -366,13 +367,3 @@ def _after_every_request(out: List, reduced: List[int], placeholders: List) -> N
     update_barrier.mark([out[i].values if isinstance(out[i], tf.IndexedSlices) else out[i]
                          for i in reduced])
     update_barrier.install()
-
-
-def after_all(deps: Sequence) -> List:
-    """Control inputs that make an op wait for every one of `deps` through one NoOp: each
-    op made under them gets one edge, not one per dependency (an update of N variables
-    under N gradients was N^2 edges: 1.35 M at 300 variables, seconds of tracing)."""
-    deps = [d for d in deps if d is not None]
-    if tf.executing_eagerly() or len(deps) <= 1:
-        return deps
-    return [tf.group(*deps)]
