@@ -313,7 +313,9 @@ class Peer:
         """In a child forked from this process: close its copies of the sockets, leaving
         the connections to the parent (a shutdown would end them for both)."""
         for sock in self._socks:
-            os.close(sock.detach())
+            fd = sock.detach()  # (-1 once closed: an aborted mesh's)
+            if fd >= 0:
+                os.close(fd)
 
     def close(self, grace: float) -> None:
         """Goodbye on every stream, then wait up to `grace` s for the peer's, then close."""
