@@ -17,8 +17,8 @@ worlds ("generations"), each a plan of workers in rank order put at the rendezvo
 - **A host is gone** from discovery: the next plan leaves its workers out; they end at
   the others' next commit.
 
-A worker that fails before it ever joined counts against its host, which is then
-blacklisted as --blacklist-cooldown-range says. The job ends when every worker has
+A host where JOIN_FAILURES workers ended before they joined gets no more (its members
+stay). The job ends when every worker has
 ended: 0 when the last ones ended well; 1 when the training code raised (it is not
 retried), when fewer than --min-np workers are left, or past --reset-limit.
 """
@@ -49,6 +49,7 @@ DISCOVERY_SECONDS = 1.0  # Horovod asks its discovery script about once a second
 # A worker the survivors name as lost whose process has not ended this long after is
 # taken for hung (stopped, or on a host cut off) and ended.
 BLAME_GRACE_SECONDS = 0.25
+JOIN_FAILURES = 2  # workers that end before joining, after which a host gets no more
 STOP_SECONDS = 5.0  # how long workers have to end at the job's end (SIGTERM, then SIGKILL)
 
 
@@ -72,6 +73,7 @@ class _Driver:
         self.stopping: Optional[int] = None
         self.changed = False  # members were evicted since the last plan
         self.blamed_at: Dict[Worker, float] = {}
+        self.join_failures: Dict[str, int] = {}
         self.said: List[str] = []  # why, for the next plan's log line
 
     # --- starting workers ---
@@ -286,12 +288,16 @@ class _Driver:
                 and w not in self.members and w.proc.poll() is None]
 
     def _newcomers_that_failed(self) -> None:
+        """Workers that ended before they joined (failed to start, or left at once): their
+        host gets no new worker after JOIN_FAILURES of them (its members stay)."""
         for w in self.workers:
-            if w.joining and w.evicted is None and w not in self.members and w.failed():
+            if w.joining and w.evicted is None and w not in self.members and \
+                    w.proc.poll() is not None:
                 w.evicted = w.how()
-                self.pool.blacklist_host(w.host, f"{w.name} {w.evicted} before it joined")
-                _log(f"{w.name} (host {w.host}) {w.evicted} before it joined; "
-                     f"{self.pool.describe()}")
+                self.join_failures[w.host] = self.join_failures.get(w.host, 0) + 1
+                more = ("; no more workers are started there"
+                        if self.join_failures[w.host] >= JOIN_FAILURES else "")
+                _log(f"{w.name} (host {w.host}) {w.evicted} before it joined{more}")
 
     def _fill_free_slots(self, short: bool = False) -> None:
         """Start workers in the slots nobody holds, once the current generation has formed
@@ -303,6 +309,8 @@ class _Driver:
             return
         placed = self._count(self.members + self._pending())
         for host, slots in self._wanted().items():
+            if self.join_failures.get(host, 0) >= JOIN_FAILURES:
+                continue
             for _ in range(slots - placed.get(host, 0)):
                 worker = self._start(host, joining=True)
                 _log(f"{worker.name} starts on {host}, to join at the next commit")

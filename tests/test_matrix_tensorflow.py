@@ -18,14 +18,26 @@ FILES = sorted(f for f in glob.glob(os.path.join(ROOT, "tests", "tensorflow", "t
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-# Every file at np 2 and 3 (an even and an odd ring); at np 1 and 4 the adapters' own files:
-# training (tape, legacy and Keras optimizers, fit) and the collectives. A job of 4
-# TensorFlow processes on CI's 2 cores takes minutes; the other files' features meet no
-# path at np 4 that np 2 and 3 do not take (their rings and trees are the runtime's, run at
-# np 1-4 in test_matrix_core.py).
+# The adapters' own files at np 1-4: training (tape, legacy and Keras optimizers, fit) and
+# the collectives; the buckets' at np 2 and 3 (an even and an odd ring). The other files
+# (Adasum, process sets, stragglers, SyncBatchNormalization, ...) each at one size, 2 or 3
+# in turn: their features meet no path at one size that the other does not take (the
+# rings and trees under them are the runtime's, run at np 1-4 in test_matrix_core.py), and
+# a job of TensorFlow processes on CI's 2 cores takes a minute or more.
 EVERY_SIZE = ("test_tf_training.py", "test_tf_collectives.py")
-JOBS = [(f, n) for f in FILES for n in RANK_COUNTS
-        if n in (2, 3) or os.path.basename(f) in EVERY_SIZE]
+OTHERS = [f for f in FILES if os.path.basename(f) not in EVERY_SIZE and "bucket" not in f]
+
+
+def _sizes(path):
+    name = os.path.basename(path)
+    if name in EVERY_SIZE:
+        return RANK_COUNTS
+    if "bucket" in name:
+        return (2, 3)
+    return (3,) if OTHERS.index(path) % 2 == 0 else (2,)
+
+
+JOBS = [(f, n) for f in FILES for n in _sizes(f)]
 
 
 @pytest.mark.parametrize("path,np_", JOBS, ids=[f"{os.path.basename(f)}-{n}" for f, n in JOBS])

@@ -52,6 +52,13 @@ def _blamed(error: Optional[BaseException]) -> List[int]:
     return []
 
 
+def _blame(c, generation: int, ranks: List[int]) -> None:
+    """Say at the rendezvous which ranks of `generation` this rank lost (none: it only
+    heard of the failure, or leaves for a newer world)."""
+    c.put(generations.SCOPE, f"blame.{generation}.{generations.worker()}",
+          ",".join(map(str, ranks)).encode())
+
+
 _client = None
 
 
@@ -84,19 +91,28 @@ def rejoin(error: Optional[BaseException]) -> int:
     c = generations.client(world.identity_used())
     try:
         if error is not None:
-            c.put(generations.SCOPE, f"blame.{before}.{generations.worker()}",
-                  ",".join(map(str, _blamed(error))).encode())
+            _blame(c, before, _blamed(error))
         basics.shutdown()
-        try:
-            newest = generations.enter_next(c, world.identity_used(), before, world.reopen,
-                                            False)
+        while True:
+            try:
+                newest = generations.enter_next(c, world.identity_used(), before,
+                                                world.reopen, False)
+            except generations.LeftOut as e:
+                log.info("%s; this worker ends", e)
+                raise SystemExit(0) from None
+            try:
+                basics.init()
+            except Exception as e:  # (a rank of the new world died while it started)
+                log.warning("%s: generation %d failed as it started (%s); waiting for the "
+                            "next", generations.worker(), newest, e)
+                _blame(c, newest, list(getattr(e, "ranks", None) or _blamed(e)))
+                basics.shutdown()
+                before = newest
+                continue
             c.put(generations.SCOPE, f"entered.{generations.worker()}", str(newest).encode())
-        except generations.LeftOut as e:
-            log.info("%s; this worker ends", e)
-            raise SystemExit(0) from None
+            break
     finally:
         c.close()
-    basics.init()
     global last_rejoin_seconds
     last_rejoin_seconds = time.perf_counter() - started
     log.info("rank %d of %d: generation %d formed in %.2f s (%s)", basics.rank(),

@@ -177,7 +177,7 @@ def test_a_failure_while_the_world_forms_again(start, tmp_path):
     os.kill(pid(tmp_path, "w2"), signal.SIGKILL)
     until(lambda: full_world(tmp_path, np_), proc, "the world grown back to 4")
     err = finish(proc, tmp_path)
-    assert {"w0", "w1"} <= set(check_finals(tmp_path, proc, err))
+    assert {"w0", "w1"} <= set(check_finals(tmp_path, proc, err)), err[-4000:]
     assert "w2" not in check_finals(tmp_path, proc, err)
 
 

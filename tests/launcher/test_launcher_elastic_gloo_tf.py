@@ -34,13 +34,16 @@ def traces_before_and_after(outdir, worker):
 
 def run_and_kill(start, tmp_path, *args, after_steps):
     proc = start("--gloo", "-np", 3, "--min-np", 2, sys.executable, TF_TRAIN, tmp_path, *args,
-                 env=NO_MPI)
+                 "--no-join", env=NO_MPI)
     until(lambda: len(lines(tmp_path, "steps", "w1")) >= after_steps, proc, "steps", 400)
     os.kill(pid(tmp_path, "w1"), signal.SIGKILL)
     out, err = proc.communicate(timeout=500)
     assert proc.returncode == 0, err[-4000:]
     assert "rank 1 (w1, host localhost) was killed by signal 9 (SIGKILL); generation 1: 2 " \
            "rank(s) go on in their running processes" in err, err[-3000:]
+    # (the workers started in the free slot end at once: no third TensorFlow import)
+    assert "w4 (host localhost) exited with code 0 before it joined; no more workers are " \
+           "started there" in err, err[-3000:]
     assert not wait_until_gone(str(tmp_path), 5)
     finals = [np.load(tmp_path / f"final.{w}.npy") for w in ("w0", "w2")]
     assert np.array_equal(finals[0], finals[1])
