@@ -12,7 +12,6 @@ import tensorflow as tf
 from horolite.core.mpi_library import MPI  # the job world's: mpi4py's under mpirun
 
 WIDTH, LAYERS = 128, 8
-R = MPI.COMM_WORLD.Get_rank()
 
 PEER_FAILED = (r"rank 1 will never send it: its previous run of this step failed there "
                r"after \d+ of \d+ buckets had left")
@@ -67,8 +66,9 @@ def batch(r, rows):
 def fail_on_rank_1(flag, run, batch):
     """One step of `run` in which rank 1 fails (FailOnFlag) and every other rank's step
     fails naming it."""
-    flag.assign(1.0 if R == 1 else 0.0)
-    if R == 1:
+    rank = MPI.COMM_WORLD.Get_rank()
+    flag.assign(1.0 if rank == 1 else 0.0)
+    if rank == 1:
         with pytest.raises(tf.errors.InvalidArgumentError, match="reshape"):
             run(batch)
     else:
@@ -80,6 +80,6 @@ def fail_if_hung(seconds):
     """A hang ends this rank after `seconds`, every thread's stack in its log (pytest's
     capture would lose them): the test fails fast instead of waiting for the driver."""
     outdir = os.environ.get("HOROLITE_TEST_OUTDIR")
-    out = open(os.path.join(outdir, f"rank{R}.log"), "a") if outdir else None
+    out = open(os.path.join(outdir, f"rank{MPI.COMM_WORLD.Get_rank()}.log"), "a") if outdir else None
     faulthandler.dump_traceback_later(seconds, exit=True, file=out or sys.__stderr__)
     return out
