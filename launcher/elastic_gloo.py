@@ -17,8 +17,9 @@ worlds ("generations"), each a plan of workers in rank order put at the rendezvo
 - **A host is gone** from discovery: the next plan leaves its workers out; they end at
   the others' next commit.
 
-A host where JOIN_FAILURES workers ended before they joined gets no more (its members
-stay). The job ends when every worker has
+A worker that ends before it joined blacklists its host for new workers (for good, or as
+--blacklist-cooldown-range says); the workers already there stay. The job ends when
+every worker has
 ended: 0 when the last ones ended well; 1 when the training code raised (it is not
 retried), when fewer than --min-np workers are left, or past --reset-limit.
 """
@@ -49,7 +50,6 @@ DISCOVERY_SECONDS = 1.0  # Horovod asks its discovery script about once a second
 # A worker the survivors name as lost whose process has not ended this long after is
 # taken for hung (stopped, or on a host cut off) and ended.
 BLAME_GRACE_SECONDS = 0.25
-JOIN_FAILURES = 2  # workers that end before joining, after which a host gets no more
 STOP_SECONDS = 5.0  # how long workers have to end at the job's end (SIGTERM, then SIGKILL)
 
 
@@ -73,7 +73,6 @@ class _Driver:
         self.stopping: Optional[int] = None
         self.changed = False  # members were evicted since the last plan
         self.blamed_at: Dict[Worker, float] = {}
-        self.join_failures: Dict[str, int] = {}
         self.said: List[str] = []  # why, for the next plan's log line
 
     # --- starting workers ---
@@ -107,8 +106,11 @@ class _Driver:
             self.user_error = self.user_error or \
                 f"{worker.name} (host {worker.host}): {fields.get('text', 'it raised')}"
 
-    def _wanted(self) -> Dict[str, int]:
-        return dict(assign(self.pool.available(), self.ecfg.max_np))
+    def _wanted(self, blacklisted_too: bool = False) -> Dict[str, int]:
+        """Slots per host to fill (up to --max-np), in the pool's order."""
+        hosts = [(h, self.pool.slots[h]) for h in self.pool.order] if blacklisted_too \
+            else self.pool.available()
+        return dict(assign(hosts, self.ecfg.max_np))
 
     def _first_hosts(self) -> List[str]:
         deadline = time.monotonic() + self.ecfg.timeout
@@ -275,7 +277,7 @@ class _Driver:
 
     def _leaving(self) -> List[Worker]:
         """Members beyond what their host still offers (the newest go first)."""
-        wanted, leaving = self._wanted(), []
+        wanted, leaving = self._wanted(blacklisted_too=True), []
         for host, count in self._count(self.members).items():
             extra = count - wanted.get(host, 0)
             if extra > 0:
@@ -288,16 +290,15 @@ class _Driver:
                 and w not in self.members and w.proc.poll() is None]
 
     def _newcomers_that_failed(self) -> None:
-        """Workers that ended before they joined (failed to start, or left at once): their
-        host gets no new worker after JOIN_FAILURES of them (its members stay)."""
+        """Workers that ended before they joined (could not start, or left at once): their
+        host is blacklisted for new workers; its members stay (see _leaving)."""
         for w in self.workers:
             if w.joining and w.evicted is None and w not in self.members and \
                     w.proc.poll() is not None:
                 w.evicted = w.how()
-                self.join_failures[w.host] = self.join_failures.get(w.host, 0) + 1
-                more = ("; no more workers are started there"
-                        if self.join_failures[w.host] >= JOIN_FAILURES else "")
-                _log(f"{w.name} (host {w.host}) {w.evicted} before it joined{more}")
+                self.pool.blacklist_host(w.host, f"{w.name} {w.evicted} before it joined")
+                _log(f"{w.name} (host {w.host}) {w.evicted} before it joined; no new worker "
+                     f"starts there while it is blacklisted: {self.pool.describe()}")
 
     def _fill_free_slots(self, short: bool = False) -> None:
         """Start workers in the slots nobody holds, once the current generation has formed
@@ -309,8 +310,6 @@ class _Driver:
             return
         placed = self._count(self.members + self._pending())
         for host, slots in self._wanted().items():
-            if self.join_failures.get(host, 0) >= JOIN_FAILURES:
-                continue
             for _ in range(slots - placed.get(host, 0)):
                 worker = self._start(host, joining=True)
                 _log(f"{worker.name} starts on {host}, to join at the next commit")

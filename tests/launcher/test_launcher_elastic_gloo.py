@@ -86,10 +86,11 @@ def first_step_after(outdir, generation):
                if int(s[0]) > generation)
 
 
-def start_job(start, tmp_path, np_, min_np, *extra, env=None):
+def start_job(start, tmp_path, np_, min_np, *extra, env=None, script_args=()):
     return start("--gloo", "-np", np_, "--min-np", min_np, *extra, sys.executable, IN_PROCESS,
                  tmp_path, "--steps", 100000, "--commit-every", 3, "--sleep", 0.02,
-                 "--until-file", tmp_path / "stop", env=dict(NO_MPI, **(env or {})))
+                 "--until-file", tmp_path / "stop", *script_args,
+                 env=dict(NO_MPI, **(env or {})))
 
 
 def finish(proc, tmp_path):
@@ -233,3 +234,16 @@ def test_slots_from_the_discovery_script_join_and_leave_at_a_commit(start, tmp_p
     assert sorted(check_finals(tmp_path, proc, err)) == ["w0", "w1"]
     # w2 left when its plan left it out: it ended well, without its final state.
     assert lines(tmp_path, "steps", "w2") and not os.path.exists(tmp_path / "final.w2.npy")
+
+
+def test_a_host_where_a_new_worker_fails_to_start_cools_down(start, tmp_path):
+    proc = start_job(start, tmp_path, 3, 2, "--blacklist-cooldown-range", 1, 1,
+                     script_args=("--fail-first-join", tmp_path / "failed-once"))
+    until(lambda: full_world(tmp_path, 3), proc, "generation 0")
+    os.kill(pid(tmp_path, "w2"), signal.SIGKILL)
+    until(lambda: "w4" in stepping(tmp_path) and full_world(tmp_path, 3), proc, "w4's join")
+    err = finish(proc, tmp_path)
+    assert re.search(r"w3 \(host localhost\) exited with code 1 before it joined; no new worker "
+                     r"starts there while it is blacklisted: .*localhost \(w3 exited with code "
+                     r"1 before it joined; for \d+ s more\)", err), err[-3000:]
+    assert sorted(check_finals(tmp_path, proc, err)) == ["w0", "w1", "w4"]

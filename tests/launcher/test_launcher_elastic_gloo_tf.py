@@ -42,8 +42,9 @@ def run_and_kill(start, tmp_path, *args, after_steps):
     assert "rank 1 (w1, host localhost) was killed by signal 9 (SIGKILL); generation 1: 2 " \
            "rank(s) go on in their running processes" in err, err[-3000:]
     # (the workers started in the free slot end at once: no third TensorFlow import)
-    assert "w4 (host localhost) exited with code 0 before it joined; no more workers are " \
-           "started there" in err, err[-3000:]
+    assert "w3 (host localhost) exited with code 0 before it joined; no new worker starts " \
+           "there while it is blacklisted" in err, err[-3000:]
+    assert "w4 starts" not in err, err[-3000:]
     assert not wait_until_gone(str(tmp_path), 5)
     finals = [np.load(tmp_path / f"final.{w}.npy") for w in ("w0", "w2")]
     assert np.array_equal(finals[0], finals[1])

@@ -27,7 +27,15 @@ def main():
     p.add_argument("--sleep", type=float, default=0.05, help="seconds per step")
     p.add_argument("--raise-at", type=int, default=-1, help="rank 1 raises at this step")
     p.add_argument("--until-file", help="every rank stops at the first step after it exists")
+    p.add_argument("--fail-first-join", metavar="FILE",
+                   help="the first worker started to join fails at once (it creates FILE)")
     args = p.parse_args()
+    if args.fail_first_join and os.environ.get("HOROLITE_ELASTIC_JOIN"):
+        try:
+            open(args.fail_first_join, "x").close()
+            sys.exit("this worker cannot start here")
+        except FileExistsError:
+            pass
 
     import horolite as hvd
     from horolite.elastic import ObjectState, run_fn
