@@ -310,3 +310,27 @@ def test_a_legacy_random_op_low_in_backprop_keeps_every_bucket_in_backprops_orde
     plain, jittered = held_ops(False), held_ops(True)
     assert plain[1] >= 4 and jittered[1] == plain[1]
     assert jittered[0] >= plain[0], f"{jittered[0]} ops wait for an enqueue, {plain[0]} without it"
+
+
+def test_the_stand_ins_of_a_step_are_checked_by_one_assert():
+    # Each None gradient's placeholder was read by an Assert of its own: stateful ops that
+    # TensorFlow runs one after another, one per variable without a gradient.
+    _two_ranks()
+    keras.utils.set_random_seed(37)
+    layers = [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(12)]
+    model = keras.Sequential([keras.Input((WIDTH,))] + layers)
+    x = batch(R, 16)[0]
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            h = x
+            for layer in layers[:4] + layers[10:]:  # 6 layers unused: 12 None gradients
+                h = layer(h)
+            loss = tf.reduce_mean(h)
+        return hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+    graph = step.get_concrete_function().graph
+    got = step()
+    assert sum(g is None for g in got) == 12
+    asserts = [op for op in graph.get_operations() if op.type == "Assert"]
+    assert len(asserts) == 1, [op.name for op in asserts]
