@@ -20,6 +20,7 @@ from .errors import (AdasumUnsupportedError, DuplicateNameError, HorovodInternal
                      InvalidCollectiveError, NotInitializedError, ShutdownError, StallError, TensorMismatchError)
 from .core.handle import Handle
 from .api.buckets import GradientBuckets
+from .api.objects import broadcast_object
 from .api.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .api.stragglers import straggler_report
 from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
@@ -34,7 +35,7 @@ __all__ = [
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
-    "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
+    "broadcast_object", "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "join_async", "poll", "synchronize", "Handle",
     "GradientBuckets",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",

@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 import horolite as _core
+from horolite.api import objects as _objects
 from horolite.errors import HorovodInternalError
 
 from .bridge import graph_unique_name, to_tf_error, wait, _enqueue
@@ -104,19 +105,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, session=None, name: Optional[
     """Pickle `obj` on root_rank and return a copy on every rank. It travels in Python,
     outside any graph, so TF1 code needs no `session` (accepted, as Horovod's keyword)."""
     check_process_set(process_set, "broadcast_object")
-    name = name or "broadcast_object"
-    if _core.rank() == root_rank:
-        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
-        length = np.array([payload.size], np.int64)
-    else:
-        payload, length = None, np.zeros(1, np.int64)
-    length = _sync(lambda: _core.broadcast(length, root_rank, name=f"{name}.length",
-                                           process_set=process_set))
-    if payload is None:
-        payload = np.zeros(int(length[0]), np.uint8)
-    data = _sync(lambda: _core.broadcast(payload, root_rank, name=f"{name}.data",
-                                         process_set=process_set))
-    return pickle.loads(data.tobytes())
+    return _sync(lambda: _objects.broadcast_object(obj, root_rank, name, process_set))
 
 
 def broadcast_object_fn(root_rank: int = 0, session=None, name: Optional[str] = None,

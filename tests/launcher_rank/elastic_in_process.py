@@ -9,7 +9,6 @@ the end ``final.<worker>.npy`` and ``final_step.<worker>``.
 """
 import argparse
 import os
-import pickle
 import sys
 import time
 
@@ -46,14 +45,7 @@ def main():
     with open(out("pid"), "w") as f:
         f.write(str(os.getpid()))
 
-    def bcast_object(obj):
-        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if hvd.rank() == 0 else None
-        n = hvd.broadcast(np.array([0 if data is None else data.size]), 0, name="obj.len")
-        data = hvd.broadcast(data if data is not None else np.empty(int(n[0]), np.uint8), 0,
-                             name="obj.data")
-        return pickle.loads(data.tobytes())
-
-    state = ObjectState(bcast_object, hvd.rank, w=np.zeros(DIM), step=0)
+    state = ObjectState(hvd.broadcast_object, hvd.rank, w=np.zeros(DIM), step=0)
 
     def on_reset():
         with open(out("resets"), "a") as f:

@@ -10,7 +10,6 @@ step, ``resumed.<gen>.<rank>`` (the step it resumed at) and at the end ``final.<
 """
 import argparse
 import os
-import pickle
 import sys
 import time
 
@@ -64,16 +63,9 @@ def main():
     with open(os.path.join(args.outdir, f"pid.{me}"), "w") as f:
         f.write(str(os.getpid()))
 
-    def bcast_object(obj):
-        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if hvd.rank() == 0 else None
-        n = hvd.broadcast(np.array([0 if data is None else data.size]), 0, name="obj.len")
-        data = hvd.broadcast(data if data is not None else np.empty(int(n[0]), np.uint8), 0,
-                             name="obj.data")
-        return pickle.loads(data.tobytes())
-
     if args.raise_in_setup and hvd.rank() == 0:
         raise TypeError("bad setup argument")
-    state = ObjectState(bcast_object, hvd.rank, w=np.zeros(DIM), step=0)
+    state = ObjectState(hvd.broadcast_object, hvd.rank, w=np.zeros(DIM), step=0)
     resets = []
     state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 

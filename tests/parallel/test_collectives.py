@@ -562,3 +562,10 @@ def test_the_jobs_settings_took_effect():
         assert evicted > 0 and len(rt.cache) == capacity
     else:
         assert len(rt.cache) >= 2 * members
+
+
+def test_broadcast_object_gives_every_rank_the_roots_object():
+    for root in {0, SIZE - 1}:
+        mine = {"rank": RANK, "payload": list(range(RANK + 2)), "text": "é" * RANK}
+        got = hvd.broadcast_object(mine, root_rank=root, name=f"obj.{root}")
+        assert got == {"rank": root, "payload": list(range(root + 2)), "text": "é" * root}
