@@ -49,11 +49,13 @@ def same_on_every_rank(variables, what):
             np.testing.assert_array_equal(a, b, err_msg=f"{what} {k}: rank {r} differs from rank 0")
 
 
-def failing_model(flag):
+def failing_model(flag, layers=LAYERS):
+    """Dense, FailOnFlag, `layers` Dense layers, Dense(4). At a 0.3 MB cap the first bucket
+    holds only layers above FailOnFlag where `layers` >= 5: it leaves before the failure."""
     keras.utils.set_random_seed(5)
     return keras.Sequential([keras.Input((WIDTH,)), keras.layers.Dense(WIDTH, activation="tanh"),
                              FailOnFlag(flag)] +
-                            [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(LAYERS)] +
+                            [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(layers)] +
                             [keras.layers.Dense(4)])
 
 
