@@ -102,7 +102,9 @@ def finish(proc, tmp_path):
 
 @pytest.mark.parametrize("np_,victim", [(2, 0), (3, 1), (4, 1)])
 def test_kill9_survivors_go_on_and_a_new_worker_joins(start, tmp_path, np_, victim):
-    proc = start_job(start, tmp_path, np_, np_ - 1)
+    # Every rank on a pretend host of its own, in every generation: the worlds' data go
+    # over horolite's TCP connections as across real hosts (the other tests: one host).
+    proc = start_job(start, tmp_path, np_, np_ - 1, env={"HOROLITE_TEST_HOST_IDENTITY": "each"})
     until(lambda: full_world(tmp_path, np_), proc, "generation 0")
     killed_at = time.time()
     os.kill(pid(tmp_path, f"w{victim}"), signal.SIGKILL)
@@ -247,3 +249,18 @@ def test_a_host_where_a_new_worker_fails_to_start_cools_down(start, tmp_path):
                      r"starts there while it is blacklisted: .*localhost \(w3 exited with code "
                      r"1 before it joined; for \d+ s more\)", err), err[-3000:]
     assert sorted(check_finals(tmp_path, proc, err)) == ["w0", "w1", "w4"]
+
+
+def test_reset_limit_ends_the_job_at_the_reset_past_it(start, tmp_path):
+    # (the worker started in the free slot fails at once: no join counts as a reset here)
+    proc = start_job(start, tmp_path, 3, 1, "--reset-limit", 1,
+                     script_args=("--fail-first-join", tmp_path / "failed-once"))
+    until(lambda: full_world(tmp_path, 3), proc, "generation 0")
+    os.kill(pid(tmp_path, "w2"), signal.SIGKILL)  # reset 1: the survivors go on
+    until(lambda: stepping(tmp_path).get("w0", (-1,))[0] >= 1, proc, "generation 1")
+    os.kill(pid(tmp_path, "w1"), signal.SIGKILL)  # reset 2: past the limit
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    assert re.search(r"rank \d \(w1, host localhost\) was killed by signal 9 \(SIGKILL\); that "
+                     r"is reset 2, more than --reset-limit 1: the job fails", err), err[-3000:]
+    assert not wait_until_gone(str(tmp_path), 10)
