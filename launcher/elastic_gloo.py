@@ -143,9 +143,6 @@ class _Driver:
             _log(f"generation 0: {len(first)} ranks on "
                  f"{', '.join(f'{h}:{n}' for h, n in self._count(self.members).items())}")
             return self._watch()
-        except RuntimeError as e:
-            _log(f"the job fails: {e}")
-            return 1
         finally:
             for worker in self.workers:
                 worker.stop(signal.SIGTERM)
@@ -336,4 +333,8 @@ class _Driver:
 
 def run_elastic_gloo(config, ecfg) -> int:
     """horolite-run's main() for `--gloo` with `--min-np` or `--host-discovery-script`."""
-    return _Driver(config, ecfg).run()
+    try:
+        return _Driver(config, ecfg).run()
+    except (RuntimeError, ValueError) as e:  # (the pool's first answer; too few slots)
+        _log(f"the job fails: {e}")
+        return 1

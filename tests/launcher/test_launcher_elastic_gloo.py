@@ -264,3 +264,15 @@ def test_reset_limit_ends_the_job_at_the_reset_past_it(start, tmp_path):
     assert re.search(r"rank \d \(w1, host localhost\) was killed by signal 9 \(SIGKILL\); that "
                      r"is reset 2, more than --reset-limit 1: the job fails", err), err[-3000:]
     assert not wait_until_gone(str(tmp_path), 10)
+
+
+def test_a_discovery_script_that_fails_at_first_ends_the_job_naming_it(run, tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho 'no cluster here' >&2\nexit 3\n")
+    script.chmod(0o755)
+    r = run("--gloo", "-np", 2, "--min-np", 1, "--host-discovery-script", script,
+            sys.executable, IN_PROCESS, tmp_path, env=NO_MPI)
+    assert r.returncode == 1, r.stderr
+    assert "horolite-run: elastic: the job fails: " in r.stderr and "discover.sh" in r.stderr, \
+        r.stderr
+    assert "Traceback" not in r.stderr
