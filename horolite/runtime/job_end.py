@@ -99,6 +99,9 @@ class JobEnd:
             _log.error("rank %d: %s", self.rank, error)
             launcher_marker("cause", rank=self.rank, code=1, text=error)
             self._doom(error)
+            # Ranks silent through a stall (a host cut off, a process stopped) would not
+            # confirm the notice: the others are not held ACK_SECONDS waiting for them.
+            self.failures.gone.update(getattr(error, "horolite_lost", ()))
             self.failures.announce(str(error))
             return
         self._doom(error)
