@@ -6,7 +6,7 @@ result (the least squares of elastic_train.py) and a count of traces.
              elastic callbacks (commits at epoch ends).
 Per worker into OUTDIR: pid.<w>, steps.<w> (``<generation> <rank> <size> <step> <time>``),
 resets.<w> (``<generation> <size> <pid>``), traces.<w> (one line per trace of the step),
-final.<w>.npy.
+final.<w>.npy, and for fit epochs.<w> (the epochs it trained).
 """
 import argparse
 import os
@@ -27,6 +27,8 @@ def main():
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--commit-every", type=int, default=3)
     p.add_argument("--sleep", type=float, default=0.05)
+    p.add_argument("--until-file", help="fit: every rank stops at the first epoch's end after "
+                                        "it exists")
     p.add_argument("--no-join", action="store_true",
                    help="a worker started to join ends at once (spares the TensorFlow import)")
     args = p.parse_args()
@@ -36,6 +38,7 @@ def main():
     import keras
     import tensorflow as tf
     import horolite.tensorflow.keras as hvd
+    import horolite as core
     import horolite.tensorflow as htf
     from horolite.elastic import in_process
     keras.config.set_floatx("float64")
@@ -107,9 +110,16 @@ def main():
                 logged(b)
                 time.sleep(args.sleep)
 
+        class Until(keras.callbacks.Callback):  # (every rank stops at the same epoch's end)
+            def on_epoch_end(self, epoch, logs=None):
+                seen = np.array([float(bool(args.until_file) and os.path.exists(args.until_file))])
+                if core.allreduce(seen, op=core.Max, name="until")[0]:
+                    self.model.stop_training = True
+
         callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
                      hvd.elastic.UpdateBatchStateCallback(state),
-                     hvd.elastic.CommitStateCallback(state, batches_per_commit=10 ** 6), Log()]
+                     hvd.elastic.CommitStateCallback(state, batches_per_commit=10 ** 6), Log(),
+                     Until()]
 
         @hvd.elastic.run
         def train(state):
@@ -117,10 +127,12 @@ def main():
             x = np.concatenate([a for a, _ in parts])
             y = np.concatenate([b for _, b in parts])[:, None]
             state.model.fit(x, y, batch_size=GLOBAL // hvd.size(), shuffle=False,
-                            epochs=args.epochs, initial_epoch=state.epoch, callbacks=callbacks,
+                            epochs=args.epochs - state.epoch, callbacks=callbacks,
                             verbose=0)
         train(state)
         final = model.get_weights()[0][:, 0]
+        with open(out("epochs"), "w") as f:
+            f.write(str(state.epoch))
     np.save(out("final") + ".npy", final)
 
 

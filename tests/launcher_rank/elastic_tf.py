@@ -93,7 +93,7 @@ def main():
             with open(os.path.join(args.outdir, f"resumed.{me}"), "w") as f:
                 f.write(f"{state.epoch} {len(resets)}")
             state.model.fit(x, y, batch_size=GLOBAL // hvd.size(), shuffle=False,
-                            epochs=args.epochs, initial_epoch=state.epoch, callbacks=callbacks,
+                            epochs=args.epochs - state.epoch, callbacks=callbacks,
                             verbose=0)
         train(state)
         final = model.get_weights()[0][:, 0]

@@ -7,7 +7,7 @@
 
     @hvd.elastic.run
     def train(state):
-        model.fit(..., initial_epoch=state.epoch, callbacks=callbacks)
+        model.fit(..., epochs=epochs - state.epoch, callbacks=callbacks)
 """
 from __future__ import annotations
 
