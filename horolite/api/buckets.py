@@ -219,15 +219,7 @@ class BucketRuns:
         if pending is None or pending.done():
             return self._track(name, submit(*args))
         proxy = self._track(name, Handle(name))
-
-        def go(_):
-            try:
-                handle = submit(*args)
-            except BaseException as e:  # noqa: BLE001 - the caller's handle carries it
-                proxy._set_exception(e)
-                return
-            handle.add_done_callback(lambda h: settle(proxy, h))
-        pending.add_done_callback(go)
+        pending.add_done_callback(lambda _: _submit_into(proxy, submit, args))
         return proxy
 
     def _track(self, name: str, handle: Handle) -> Handle:
@@ -256,15 +248,20 @@ def after(first: Handle, submit: Callable, *args) -> Handle:
         error = done.exception()
         if error is not None:
             proxy._set_exception(error)
-            return
-        try:
-            handle = submit(*args)
-        except BaseException as e:  # noqa: BLE001 - the caller's handle carries it
-            proxy._set_exception(e)
-            return
-        handle.add_done_callback(lambda h: settle(proxy, h))
+        else:
+            _submit_into(proxy, submit, args)
     first.add_done_callback(go)
     return proxy
+
+
+def _submit_into(proxy: Handle, submit: Callable, args) -> None:
+    """submit(*args), its outcome (or the error of submitting) reaching `proxy`."""
+    try:
+        handle = submit(*args)
+    except BaseException as e:  # noqa: BLE001 - the caller's handle carries it
+        proxy._set_exception(e)
+        return
+    handle.add_done_callback(lambda h: settle(proxy, h))
 
 
 def settle(proxy: Handle, handle: Handle) -> None:
