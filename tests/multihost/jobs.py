@@ -35,15 +35,20 @@ def wait_for_file(job, path, seconds: float = 60) -> None:
     assert os.path.exists(path), f"{os.path.basename(path)} never came: the job did not start"
 
 
-def run_pytest_across(bed, hosts: str, path: str, env=None, pytest_args=(), timeout=300):
-    """A rank-side pytest file on every rank of ``hosts``; fails with every rank's log."""
+def run_pytest_across(bed, hosts: str, path: str, env=None, pytest_args=(), timeout=300,
+                      world: str = "mpi"):
+    """A rank-side pytest file on every rank of ``hosts``; fails with every rank's log.
+    world="gloo": started by horolite-run --gloo (no MPI), as tests/mpirun.py does."""
     outdir = tempfile.mkdtemp(prefix="horolite-multihost-")
-    full_env = dict(env or {}, HOROLITE_TEST_OUTDIR=outdir, PYTHONUNBUFFERED="1")
+    full_env = dict(env or {}, HOROLITE_TEST_OUTDIR=outdir, PYTHONUNBUFFERED="1",
+                    HOROLITE_TEST_WORLD=world)
     old = os.getcwd()
     os.chdir(ROOT)
     try:
         proc = launch(bed, hosts, ["python", os.path.join(ROOT, "tests", "rank_pytest.py"), path,
-                                   *pytest_args], env=full_env, timeout=timeout)
+                                   *pytest_args], env=full_env, timeout=timeout,
+                      extra=["--gloo", "-x", "HOROLITE_TEST_OUTDIR", "-x", "HOROLITE_TEST_WORLD"]
+                      if world == "gloo" else ())
     finally:
         os.chdir(old)
     if proc.returncode != 0:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from jobs import HOROLITE_RUN, ROOT, launch, stopped_at_exit, wait_for_file
+from jobs import HOROLITE_RUN, ROOT, launch, run_pytest_across, stopped_at_exit, wait_for_file
 
 GLOO_PROBE = os.path.join(ROOT, "tests", "launcher_rank", "gloo_probe.py")
 
@@ -40,6 +40,14 @@ def test_gloo_over_ssh_2_hosts_x_2_ranks(bed, no_leftovers, tmp_path):
         # ssh clients; hl-b: sshd's sessions and the wrappers) while the job ran.
         assert mark["key_on_cmdline"] == [], f"rank {rank}: the job key is on a command line"
         assert f"[{rank}]<stdout>:rank {rank} of 4 met 4\n" in r.stdout
+
+
+def test_gloo_mismatches_across_hosts_name_the_tensor_and_the_ranks(bed, no_leftovers):
+    """The error matrix (tests/parallel/test_errors.py: shapes, dtypes, ops, names, and the
+    runtime working on after each) on 2 hosts x 2 ranks started without MPI."""
+    run_pytest_across(bed, "hl-a:2,hl-b:2", os.path.join(ROOT, "tests", "parallel",
+                                                         "test_errors.py"), world="gloo",
+                      env={"HOROLITE_MPIRUN": "/nonexistent/mpirun"})  # (--gloo needs none)
 
 
 # ---- faults in a --gloo job of 2 hosts x 2 ranks, each rank reducing known inputs ----
