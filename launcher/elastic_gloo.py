@@ -38,13 +38,11 @@ from . import gloo
 from . import hosts as hostlib
 from .elastic_workers import Worker, plan_for
 from .host_pool import DiscoveryScript, FixedHosts, HostPool, assign
+# What the ranks read (the worker's name, joining, the wait for a world) and the rendezvous
+# scope of the plans, the blame and the newcomers: the ranks' side defines them.
+from horolite.world.generations import JOIN, SCOPE, TIMEOUT, WORKER
 
-__all__ = ["run_elastic_gloo", "WORKER", "JOIN", "GENERATION_TIMEOUT"]
-
-WORKER = "HOROLITE_ELASTIC_WORKER"  # a worker's name for the whole job ("w0", "w1", ...)
-JOIN = "HOROLITE_ELASTIC_JOIN"  # set on a worker started after generation 0
-GENERATION_TIMEOUT = "HOROLITE_ELASTIC_TIMEOUT"  # how long a survivor waits for a new world
-SCOPE = "elastic"  # the rendezvous scope of the plans, the blame and the newcomers
+__all__ = ["run_elastic_gloo"]
 POLL_SECONDS = 0.02
 DISCOVERY_SECONDS = 1.0  # Horovod asks its discovery script about once a second
 # A worker the survivors name as lost whose process has not ended this long after is
@@ -90,7 +88,7 @@ class _Driver:
         spec = gloo.build_plan(self.config, slots, {s.host: self._address(s.host) for s in slots},
                                self.server.port, self.key, self.environ, self.cwd)["ranks"]
         spec = spec[index] if len(spec) > 1 else spec[0]
-        spec["env"].update({WORKER: name, GENERATION_TIMEOUT: f"{self.ecfg.timeout:g}"})
+        spec["env"].update({WORKER: name, TIMEOUT: f"{self.ecfg.timeout:g}"})
         if joining:  # (its place comes with the plan that adds it; the prefix is its number)
             for prefix in ("HOROLITE_", "HOROVOD_"):
                 for what in ("SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"):
