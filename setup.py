@@ -44,7 +44,10 @@ setup(
         "cuda": ["cupy-cuda12x", "nvidia-nccl-cu12"],
         "cuda12": ["cupy-cuda12x", "nvidia-nccl-cu12"],
         "cuda13": ["cupy-cuda13x", "nvidia-nccl-cu13"],
-        "test": ["pytest>=7", "ml_dtypes", "mkdocs>=1.6", "mkdocstrings[python]>=0.26"],
+        # horolite.ray: RayExecutor and the Ray Train backend
+        "ray": ["ray[train]>=2.40"],
+        "test": ["pytest>=7", "ml_dtypes", "mkdocs>=1.6", "mkdocstrings[python]>=0.26",
+                 "ray[train]>=2.40"],
         "docs": ["mkdocs>=1.6", "mkdocstrings[python]>=0.26"],
     },
     entry_points={

@@ -20,6 +20,7 @@ LAYERS = [
     ("horolite.api", "horolite.device", "horolite"),
     ("horolite.elastic",),
     ("horolite.tensorflow", "horolite.keras", "horolite.launcher"),
+    ("horolite.ray",),
 ]
 
 

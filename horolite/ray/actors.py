@@ -1,0 +1,100 @@
+"""The two kinds of Ray actor a horolite job runs: its workers and its rendezvous.
+
+A worker is a plain Python object Ray runs in a process of its own; the training
+function runs in it as it would in a rank horolite-run started, once the layout's
+variables are in its environment. The rendezvous actor serves the key-value store the
+ranks meet at (horolite/world/rendezvous.py) from wherever Ray puts it, so the driver
+may be a Ray client outside the cluster.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any, Callable, Dict, Optional
+
+import ray
+
+from .layout import NodeInfo
+
+__all__ = ["Worker", "Rendezvous", "node_info"]
+
+_log = logging.getLogger("horolite.ray")
+
+
+def node_info() -> NodeInfo:
+    """Where the calling process runs (a worker's, or a Ray Train worker's)."""
+    return NodeInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+                    socket.gethostname(), os.getpid())
+
+
+def settle_after_failure() -> None:
+    """After the training function raised: if horolite's runtime cannot go on (a peer
+    died), shut it down here, so the worker stays alive for Ray to report the error (a
+    doomed rank otherwise ends its process a few seconds later) and can start again."""
+    import horolite
+    from horolite.runtime import registry
+    runtime = registry.current() if horolite.is_initialized() else None
+    if runtime is not None and runtime.doomed is not None:
+        try:
+            horolite.shutdown()
+        except Exception as e:  # (the error Ray reports is the training function's)
+            _log.debug("shutdown after the failure: %r", e)
+
+
+class Worker:
+    """One rank: Horovod's BaseHorovodWorker's methods, on which RayExecutor calls."""
+
+    def __init__(self):
+        self.executable = None
+
+    def node(self) -> NodeInfo:
+        return node_info()
+
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def get_gpu_ids(self):
+        return ray.get_gpu_ids()
+
+    def update_env_vars(self, env_vars: Dict[str, Any]) -> None:
+        os.environ.update({k: str(v) for k, v in env_vars.items()})
+
+    def env_vars(self) -> Dict[str, str]:
+        return dict(os.environ)
+
+    def start_executable(self, executable_cls: Optional[type] = None, executable_args=None,
+                         executable_kwargs=None) -> None:
+        if executable_cls is not None:
+            self.executable = executable_cls(*(executable_args or []),
+                                             **(executable_kwargs or {}))
+
+    def execute(self, fn: Callable[[Any], Any]) -> Any:
+        try:
+            return fn(self.executable)
+        except BaseException:
+            settle_after_failure()
+            raise
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+class Rendezvous:
+    """The job's rendezvous server, in an actor of its own (no CPU reserved)."""
+
+    def __init__(self, key: bytes):
+        from horolite.world.rendezvous import RendezvousServer
+        self._server = RendezvousServer(key, host="0.0.0.0", port=0)
+
+    def address(self):
+        return ray.util.get_node_ip_address(), self._server.port
+
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        self._server.put(scope, key, value)
+
+    def close(self) -> None:
+        self._server.close()
