@@ -56,11 +56,11 @@ def _log(message: str) -> None:
 
 
 class _Driver:
-    def __init__(self, config, ecfg):
+    def __init__(self, config, ecfg, discovery=None):
         self.config, self.ecfg = config, ecfg
-        if ecfg.script:
+        if discovery is None and ecfg.script:
             discovery = DiscoveryScript(ecfg.script, ecfg.slots_per_host)
-        else:
+        elif discovery is None:
             hosts = config.hosts or (("localhost", ecfg.num_proc),)
             discovery = FixedHosts(hosts, ",".join(f"{h}:{n}" for h, n in hosts))
         self.pool = HostPool(discovery, ecfg.cooldown)
