@@ -143,7 +143,7 @@ def test_a_killed_actor_is_named_in_the_driver_and_the_survivors_live_on(ray_clu
         assert text.startswith(f"rank {victim} (host ") and f"node {node}) died" in text, text
         assert isinstance(failed.value.__cause__, ray.exceptions.RayActorError)
         if np_ > 1:  # a survivor's own error names the dead rank too
-            assert f"said:" in text and f"rank {victim} (host" in text.split("said:")[1], text
+            assert "said:" in text and f"rank {victim} (host" in text.split("said:")[1], text
         assert took < 20, took  # (not a timing target: the survivors must not wait 30 s)
         # The survivors' actors are alive and can run again
         assert ray.get([w.ping.remote() for w in executor.workers[:victim]])

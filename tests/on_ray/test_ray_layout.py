@@ -24,7 +24,7 @@ def test_each_machines_workers_get_consecutive_ranks():
     assert [e["HOROVOD_CROSS_SIZE"] for e in env] == ["3", "2", "3", "2", "3"]
     assert {e["HOROLITE_RENDEZVOUS_PORT"] for e in env} == {"5000"}
     assert {e["HOROLITE_JOB_KEY"] for e in env} == {KEY.hex()}
-    assert env[0]["HOROLITE_HOSTNAME"] == f"198.18.0.48 node b0000000"  # ip, node id
+    assert env[0]["HOROLITE_HOSTNAME"] == "198.18.0.48 node b0000000"  # ip, node id
 
 
 def test_ray_train_keeps_its_own_world_ranks():
