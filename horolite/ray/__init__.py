@@ -15,12 +15,20 @@ The workers are Ray actors; they meet at a rendezvous that a small actor of the 
 serves, and then talk over horolite's own connections (no MPI).
 """
 try:
-    import ray  # noqa: F401
+    import ray  # noqa: F401  (here, for the message below)
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("horolite.ray needs Ray, which is not installed: "
                       'pip install "horolite[ray]"') from e
 
 from .executor import MiniSettings, RayExecutor
-from .train import HorovodConfig
 
 __all__ = ["RayExecutor", "MiniSettings", "HorovodConfig"]
+
+
+def __getattr__(name):
+    # Ray Train (and pandas with it) loads only for those who use it: a worker actor
+    # that imports this package starts a second sooner without it.
+    if name == "HorovodConfig":
+        from .train import HorovodConfig
+        return HorovodConfig
+    raise AttributeError(f"module 'horolite.ray' has no attribute {name!r}")

@@ -145,13 +145,14 @@ class RayExecutor:
         if self._elastic is not None:
             return self._elastic.start(executable_cls, executable_args, executable_kwargs,
                                        extra_env_vars)
+        key = secrets.token_bytes(32)
+        # (the rendezvous actor's process starts while the placement group is reserved)
+        self._rendezvous = ray.remote(actors.Rendezvous).options(num_cpus=0).remote(key)
         self._group, self._own_group, bundles = self._reserve()
         actor = ray.remote(actors.Worker)
         started = [actor.options(**self._worker_options(self._group, b)).remote()
                    for b in bundles]
         nodes = ray.get([w.node.remote() for w in started])
-        key = secrets.token_bytes(32)
-        self._rendezvous = ray.remote(actors.Rendezvous).options(num_cpus=0).remote(key)
         address = ray.get(self._rendezvous.address.remote())
         self.placed = place(nodes, address, key, float(self.settings.timeout_s))
         self.workers = [started[p.worker] for p in self.placed]
