@@ -37,8 +37,11 @@ class RayCluster:
         # The workers import the test modules' functions by name, as the driver does.
         here = os.path.dirname(os.path.abspath(__file__))
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+        # A node lost is noticed within about a second (Ray's default: 30 s or so).
         self.env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0",
-                        PYTHONPATH=path)
+                        PYTHONPATH=path, RAY_health_check_period_ms="500",
+                        RAY_health_check_timeout_ms="1000",
+                        RAY_health_check_failure_threshold="2")
 
     def _ray(self, args: List[str], timeout: float = 120) -> str:
         proc = subprocess.run([RAY] + args, capture_output=True, text=True, timeout=timeout,
@@ -57,9 +60,26 @@ class RayCluster:
         self._ray(["start", "--head", f"--port={self.port}", "--include-dashboard=false",
                    '--resources={"hl_node_a": 100}'] + common)
         self.address = f"127.0.0.1:{self.port}"
-        self._ray(["start", f"--address={self.address}", '--resources={"hl_node_b": 100}']
-                  + common)
+        self.start_node_b()
         return self
+
+    def start_node_b(self) -> None:
+        self._ray(["start", f"--address={self.address}", '--resources={"hl_node_b": 100}',
+                   f"--num-cpus={NODE_CPUS}", "--disable-usage-stats"])
+
+    def node_b_raylet(self) -> int:
+        """The pid of node b's raylet (the process named by its custom resource)."""
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if argv and argv[0].endswith(b"raylet") and any(b"hl_node_b" in a for a in argv):
+                return int(pid)
+        raise RayClusterFailed("node b's raylet is not running")
 
     def wait_for_nodes(self, ray, count: int = 2, seconds: float = 60) -> None:
         deadline = time.monotonic() + seconds

@@ -187,3 +187,28 @@ def test_without_ray_the_import_error_names_the_extra():
     assert proc.returncode != 0
     assert 'ImportError: horolite.ray needs Ray, which is not installed: pip install ' \
            '"horolite[ray]"' in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_lost_node_is_named_in_the_driver(ray_cluster):
+    """Node b's raylet killed (its workers go with it): the survivors on node a and the
+    driver name the rank that was there and its node. Node b starts again after."""
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_hosts=2,
+                           num_workers_per_host=1)
+    executor.start()
+    try:
+        on_b = [p for p in executor.placed
+                if ray.get(executor.workers[p.rank].node_id.remote()) in
+                {n["NodeID"] for n in ray.nodes() if "hl_node_b" in n["Resources"]}]
+        assert len(on_b) == 1, executor.placed
+        lost = on_b[0]
+        refs = executor.run_remote(train_until_killed, args=[100000])
+        raylet = ray_cluster.node_b_raylet()
+        threading.Timer(2.0, os.kill, (raylet, signal.SIGKILL)).start()
+        with pytest.raises(HorovodInternalError) as failed:
+            executor._gather(refs)
+        text = str(failed.value)
+        assert f"rank {lost.rank} (host {lost.node.label()})" in text, text
+    finally:
+        executor.shutdown()
+        ray_cluster.start_node_b()
+        ray_cluster.wait_for_nodes(ray, count=2)
