@@ -29,10 +29,11 @@ VARIANTS = {
 # (lane-autotune: the lists' fusion under a moving threshold is test_exchange_lane's case;
 # the whole collective file under it would add four long jobs to CI for nothing more.)
 # The default path at np 1-4; each other variant (a setting that moves the same collectives
-# onto another path) at np 2 and 3, an even and an odd ring: at np 1 nothing travels, and
-# np 4 adds no path np 2 and 3 lack but 5 long jobs to CI.
+# onto another path) at np 2 or 3 in turn, an even or an odd ring (the rings under them run
+# at np 1-4 by default): at np 1 nothing travels, and np 4 adds no path np 2 and 3 lack.
 @pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [
-    (n, v) for v in sorted(VARIANTS) if v not in ("default", "lane-autotune") for n in (2, 3)])
+    (2 + i % 2, v) for i, v in enumerate(v for v in sorted(VARIANTS)
+                                         if v not in ("default", "lane-autotune"))])
 def test_collectives(np_, variant):
     run_pytest_file(os.path.join(PARALLEL, "test_collectives.py"), np_, VARIANTS[variant])
 
@@ -144,7 +145,11 @@ def test_adasum(np_):
 
 @pytest.mark.parametrize("np_", RANK_COUNTS)
 def test_shared_memory(np_):
-    run_pytest_file(os.path.join(PARALLEL, "test_shared_memory.py"), np_)
+    # Each rank builds every rank's inputs for its NumPy reference: the dtype x op x mode
+    # matrix costs np^2. At np 4 it runs for the float, bfloat16 and int8 kernels only
+    # (every dtype ran at np 2 and 3; the board's slots and modes are the same for all).
+    args = ["-k", "not test_matches_numpy or float32 or bfloat16 or int8"] if np_ == 4 else []
+    run_pytest_file(os.path.join(PARALLEL, "test_shared_memory.py"), np_, pytest_args=args)
 
 
 @pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "mpi-ring")])
@@ -264,7 +269,8 @@ def test_gradient_buckets(np_, variant):
 STRAGGLERS = {"HOROLITE_STRAGGLER_REPORT_SECONDS": "2"}
 
 
-@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS] + [(3, "mpi-ring")])
+# (over the MPI ring rather than shared memory: the pretend hosts' layouts below)
+@pytest.mark.parametrize("np_,variant", [(n, "default") for n in RANK_COUNTS])
 def test_stragglers(np_, variant):
     run_pytest_file(os.path.join(PARALLEL, "test_stragglers.py"), np_,
                     dict(VARIANTS[variant], **STRAGGLERS))

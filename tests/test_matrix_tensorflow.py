@@ -19,21 +19,19 @@ QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT + os.pathsep + os.envir
 
 
 # The adapters' own files at np 1-4: training (tape, legacy and Keras optimizers, fit) and
-# the collectives; the buckets' at np 2 and 3 (an even and an odd ring). The other files
-# (Adasum, process sets, stragglers, SyncBatchNormalization, ...) each at one size, 2 or 3
-# in turn: their features meet no path at one size that the other does not take (the
+# the collectives. The other files (Adasum, the buckets' traces and guarantees, process
+# sets, stragglers, SyncBatchNormalization, ...) each at one size, 2 or 3 in turn (the
+# buckets themselves run at np 2, 3 and 4 below): their features meet no path at one size that the other does not take (the
 # rings and trees under them are the runtime's, run at np 1-4 in test_matrix_core.py), and
 # a job of TensorFlow processes on CI's 2 cores takes a minute or more.
 EVERY_SIZE = ("test_tf_training.py", "test_tf_collectives.py")
-OTHERS = [f for f in FILES if os.path.basename(f) not in EVERY_SIZE and "bucket" not in f]
+OTHERS = [f for f in FILES if os.path.basename(f) not in EVERY_SIZE]
 
 
 def _sizes(path):
     name = os.path.basename(path)
     if name in EVERY_SIZE:
         return RANK_COUNTS
-    if "bucket" in name:
-        return (2, 3)
     return (3,) if OTHERS.index(path) % 2 == 0 else (2,)
 
 
@@ -46,10 +44,10 @@ def test_tensorflow_rank_file(path, np_):
 
 
 # Gradient buckets (test_tf_buckets.py): (np, environment, whether buckets are expected).
-# Set explicitly at np 2 and 3; by default none on one host, and buckets where ranks span
+# Set explicitly at np 3; by default none on one host (np 2), and buckets where ranks span
 # (pretend) hosts (np 3 and 4). The simulated hosts run it too (tests/multihost).
 BUCKET_RUNS = {
-    **{f"cap_np{n}": (n, {"HOROLITE_GRADIENT_BUCKET_MB": "0.3"}, True) for n in (2, 3)},
+    "cap_np3": (3, {"HOROLITE_GRADIENT_BUCKET_MB": "0.3"}, True),
     "one_host_default_np2": (2, {}, False),
     "hosts_2+1_np3": (3, {"HOROLITE_TEST_HOST_IDENTITY": "2+1"}, True),
     "hosts_2+2_np4": (4, {"HOROLITE_TEST_HOST_IDENTITY": "2+2"}, True),
@@ -76,8 +74,7 @@ FALLBACK = {
 }
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("name", sorted(FALLBACK))
+@pytest.mark.parametrize("name,np_", [("test_tf_collectives.py", 3), ("test_tf_training.py", 2)])
 def test_python_wait_ops_when_the_native_op_is_off(name, np_):
     # Where the native wait op cannot be built, graphs fall back to Python wait ops. The
     # ranks check the fallback is the op in their graphs (test_the_wait_op_in_graphs_...).
