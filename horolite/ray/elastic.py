@@ -183,9 +183,9 @@ class _RayJob(_Driver):
                       ", ".join(f"{h}:{n}" for h, n in self._count(self.members).items()))
             return self._watch()
         finally:
-            for worker in self.workers:
-                if worker.proc.poll() is None:
-                    worker.stop()
+            for worker in self.workers:  # (every actor: one that returned still holds its CPUs)
+                worker.proc.poll()
+                worker.stop()
             self.server.close()
 
 

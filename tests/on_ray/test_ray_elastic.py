@@ -85,3 +85,8 @@ def test_a_killed_actor_is_replaced_while_the_survivors_go_on(ray_cluster, tmp_p
     assert killed[0] not in pids
     started = {int(p.name.split(".")[1]) for p in tmp_path.glob("pid.*")}
     assert len(started) == 4 and set(pids) < started  # 3 first, then 1 in the freed slot
+    # Every actor of the job is gone: the cluster's CPUs are free again for the next job.
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, (ray.available_resources(), ray.cluster_resources())
+        time.sleep(0.2)
