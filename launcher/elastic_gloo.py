@@ -201,6 +201,7 @@ class _Driver:
         next_discovery = time.monotonic() + DISCOVERY_SECONDS
         short_since = None  # when fewer than --min-np survivors were left
         while True:
+            self._each_turn()
             if self.stopping is not None:
                 _log(f"stopped by {signal.Signals(self.stopping).name}")
                 return 128 + self.stopping
@@ -250,6 +251,9 @@ class _Driver:
             else:
                 self._fill_free_slots()
             time.sleep(POLL_SECONDS)
+
+    def _each_turn(self) -> None:
+        """Once per turn of the watch (a driver on Ray feeds its callbacks here)."""
 
     def _finishing(self) -> None:
         """A member ended well: training is over. Workers that never entered a world

@@ -20,9 +20,10 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("horolite.ray needs Ray, which is not installed: "
                       'pip install "horolite[ray]"') from e
 
+from . import ray_logger
 from .executor import MiniSettings, RayExecutor
 
-__all__ = ["RayExecutor", "MiniSettings", "HorovodConfig"]
+__all__ = ["RayExecutor", "MiniSettings", "HorovodConfig", "ray_logger"]
 
 
 def __getattr__(name):

@@ -79,6 +79,11 @@ class Worker:
             settle_after_failure()
             raise
 
+    def set_queue(self, queue) -> None:
+        """Where ray_logger.log() sends (None: nowhere)."""
+        from . import ray_logger
+        ray_logger.configure(queue)
+
     def ping(self) -> int:
         return os.getpid()
 

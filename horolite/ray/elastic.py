@@ -28,6 +28,7 @@ from horolite.world.generations import JOIN, TIMEOUT, WORKER
 
 from . import actors
 from .layout import forwarded_settings
+from .ray_logger import Listener
 
 __all__ = ["ElasticDriver", "RayNodes"]
 
@@ -131,10 +132,10 @@ class _RayWorker:
 
 
 class _RayJob(_Driver):
-    def __init__(self, executor, fn, ecfg: ElasticConfig):
+    def __init__(self, executor, fn, ecfg: ElasticConfig, listener: Listener):
         self.nodes = RayNodes(executor.cpus_per_worker, executor.gpus_per_worker)
         super().__init__(None, ecfg, discovery=self.nodes)
-        self.executor, self.fn = executor, fn
+        self.executor, self.fn, self.listener = executor, fn, listener
         self.user_error_raised: Optional[BaseException] = None
 
     def _user_error(self, worker, error) -> None:
@@ -160,11 +161,16 @@ class _RayJob(_Driver):
             scheduling_strategy=NodeAffinitySchedulingStrategy(self.nodes.node_ids[host],
                                                                soft=False)).remote()
         actor.update_env_vars.remote(dict(self.common_env, **env))
+        if self.listener.queue is not None:
+            actor.set_queue.remote(self.listener.queue)
         actor.start_executable.remote(*ex.executable)
         worker = _RayWorker(name, host, index, actor, self.fn, self._user_error)
         worker.joining = joining
         self.workers.append(worker)
         return worker
+
+    def _each_turn(self) -> None:
+        self.listener.drain()
 
     def run(self) -> int:
         from horolite.world.rendezvous import HOSTS, RendezvousServer
@@ -218,11 +224,14 @@ class ElasticDriver:
     def run(self, fn: Callable[[Any], Any], callbacks=None) -> List[Any]:
         if not self.started:
             raise RuntimeError("call start() before run()")
-        job = _RayJob(self.executor, fn, self.ecfg)
+        listener = Listener(callbacks)
+        job = _RayJob(self.executor, fn, self.ecfg, listener)
         try:
             code = job.run()
         except (RuntimeError, ValueError) as e:  # (too few slots at the start)
             raise RuntimeError(f"the elastic job could not start: {e}") from None
+        finally:
+            listener.close()
         if job.user_error_raised is not None:
             raise job.user_error_raised
         if code != 0:

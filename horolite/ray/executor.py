@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from horolite.errors import HorovodInternalError
 
 from . import actors
+from .ray_logger import Listener
 from .layout import forwarded_settings, place
 
 __all__ = ["RayExecutor", "MiniSettings"]
@@ -172,7 +173,7 @@ class RayExecutor:
         """`fn(executable)` on every worker; their results in rank order."""
         if self._elastic is not None:
             return self._elastic.run(lambda w: fn(w), callbacks)
-        return self._gather(self._run_remote(fn))
+        return self._listened(callbacks, lambda: self._run_remote(fn))
 
     def run(self, fn: Callable[..., Any], args: Optional[List] = None,
             kwargs: Optional[Dict] = None, callbacks: Optional[List[Callable]] = None
@@ -181,7 +182,7 @@ class RayExecutor:
         args, kwargs = args or [], kwargs or {}
         if self._elastic is not None:
             return self._elastic.run(lambda w: fn(*args, **kwargs), callbacks)
-        return self._gather(self._run_remote(lambda w: fn(*args, **kwargs)))
+        return self._listened(callbacks, lambda: self._run_remote(lambda w: fn(*args, **kwargs)))
 
     def run_remote(self, fn: Callable[..., Any], args: Optional[List] = None,
                    kwargs: Optional[Dict] = None) -> List[Any]:
@@ -205,7 +206,23 @@ class RayExecutor:
     def _run_remote(self, fn) -> List[Any]:
         return [w.execute.remote(fn) for w in self._live_workers()]
 
-    def _gather(self, refs: List[Any]) -> List[Any]:
+    def _listened(self, callbacks, start) -> List[Any]:
+        """start()'s results, with `callbacks` fed what rank 0 logs meanwhile (ray_logger)."""
+        listener = Listener(callbacks)
+        workers = self._live_workers()
+        if listener.queue is not None:
+            ray.get([w.set_queue.remote(listener.queue) for w in workers])
+        try:
+            return self._gather(start(), listener)
+        finally:
+            if listener.queue is not None:
+                try:  # (a worker that died has nothing to forget)
+                    ray.get([w.set_queue.remote(None) for w in workers], timeout=10)
+                except Exception as e:
+                    _log.debug("forgetting the callbacks' queue: %r", e)
+            listener.close()
+
+    def _gather(self, refs: List[Any], listener: Optional[Listener] = None) -> List[Any]:
         """Every result in rank order; after a failure, the others' outcomes for at most
         timeout_s, then the failure, a dead worker's first."""
         results: List[Any] = [None] * len(refs)
@@ -215,8 +232,13 @@ class RayExecutor:
         deadline = None
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if listener is not None and listener.queue is not None:
+                listener.drain()
+                left = 0.1 if left is None else min(left, 0.1)
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
             if not ready:
+                if deadline is None or time.monotonic() < deadline:
+                    continue
                 break
             rank = pending.pop(ready[0])
             try:

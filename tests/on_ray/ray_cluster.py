@@ -8,6 +8,7 @@ work on either. One cluster serves the whole session (Ray's start takes seconds)
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -18,6 +19,12 @@ __all__ = ["RayCluster", "RayClusterFailed"]
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 NODE_CPUS = 2
+
+
+# Ray's token auth, with a token of this session's that the driver and both nodes have: a
+# token a local ray.init() left in ~/.ray is then never the one sent. Set on import, before
+# the driver imports Ray (which reads it once).
+os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 
 
 class RayClusterFailed(RuntimeError):

@@ -19,6 +19,7 @@ DIM = 4
 def elastic_train(marks):
     import horolite as hvd
     from horolite.elastic import ObjectState, run_fn
+    from horolite.ray import ray_logger
     hvd.init()
     with open(os.path.join(marks, f"pid.{os.getpid()}"), "w") as f:
         f.write(str(hvd.rank()))
@@ -41,6 +42,7 @@ def elastic_train(marks):
             open(os.path.join(marks, f"step.{state.step}"), "w").close()
             time.sleep(0.05)
             state.commit()
+            ray_logger.log({"step": state.step, "size": hvd.size()})
     loop(state)
     return {"rank": hvd.rank(), "w": state.w, "sizes": state.sizes, "pid": os.getpid()}
 
@@ -69,8 +71,9 @@ def test_a_killed_actor_is_replaced_while_the_survivors_go_on(ray_cluster, tmp_p
         killed.append(pid)
     killer = threading.Thread(target=kill_one, daemon=True)
     killer.start()
+    logged = []
     try:
-        results = executor.run(elastic_train, args=[str(tmp_path)])
+        results = executor.run(elastic_train, args=[str(tmp_path)], callbacks=[logged.append])
     finally:
         executor.shutdown()
     killer.join(5)
@@ -81,6 +84,9 @@ def test_a_killed_actor_is_replaced_while_the_survivors_go_on(ray_cluster, tmp_p
     assert all(r["sizes"] == sizes for r in results)
     for r in results:
         np.testing.assert_allclose(r["w"], numpy_weights(sizes), rtol=1e-12)
+    # rank 0's log reached the driver through every generation (sizes 3, 2, then 3)
+    assert {entry["size"] for entry in logged} == {2, 3}, logged
+    assert logged[-1] == {"step": len(sizes), "size": 3}, logged[-3:]
     pids = [r["pid"] for r in results]
     assert killed[0] not in pids
     started = {int(p.name.split(".")[1]) for p in tmp_path.glob("pid.*")}

@@ -151,6 +151,31 @@ def test_a_killed_actor_is_named_in_the_driver_and_the_survivors_live_on(ray_clu
         executor.shutdown()
 
 
+def logging_steps(steps):
+    import horolite as hvd
+    from horolite.ray import ray_logger
+    hvd.init()
+    for step in range(steps):
+        total = hvd.allreduce(np.array([float(step)]), op=hvd.Sum, name="s")[0]
+        ray_logger.log({"rank": hvd.rank(), "step": step, "total": float(total)})
+        time.sleep(0.05)
+    return hvd.rank()
+
+
+@pytest.mark.parametrize("np_", [1, 3])
+def test_callbacks_get_what_rank_0_logs_while_the_job_runs(ray_cluster, np_):
+    executor = RayExecutor(RayExecutor.create_settings(), num_workers=np_)
+    executor.start()
+    got = []
+    try:
+        assert executor.run(logging_steps, args=[20], callbacks=[got.append]) == list(range(np_))
+        assert got == [{"rank": 0, "step": s, "total": float(s * np_)} for s in range(20)]
+        assert executor.run(logging_steps, args=[2]) == list(range(np_))  # nobody listens
+        assert len(got) == 20
+    finally:
+        executor.shutdown()
+
+
 def test_run_raises_the_training_functions_own_error(ray_cluster):
     executor = RayExecutor(RayExecutor.create_settings(), num_workers=2)
     executor.start()
