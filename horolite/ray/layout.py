@@ -11,16 +11,16 @@ import dataclasses
 import os
 from typing import Dict, List, Mapping, Sequence, Tuple
 
+from horolite.core.settings import PREFIXES, WORLD
 from horolite.launcher.gloo import rank_env, slots_for
 
 __all__ = ["Placed", "NodeInfo", "place", "forwarded_settings"]
 
-# What a rank learns who it is from is the layout's; everything else of these
-# prefixes is a setting the driver's environment passes on to every worker.
-_IDENTITY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME",
-             "RENDEZVOUS_ADDR", "RENDEZVOUS_PORT", "GLOO_RENDEZVOUS_ADDR", "GLOO_RENDEZVOUS_PORT",
-             "JOB_KEY", "JOB_KEY_FILE", "ELASTIC_WORKER", "ELASTIC_JOIN", "CONTROLLER",
-             "CPU_OPERATIONS")
+# What a rank learns who it is from is the layout's (settings.WORLD, less the interface and
+# the timeout, which are settings); the elastic driver names its workers. Everything else
+# of these prefixes is a setting the driver's environment passes on to every worker.
+_IDENTITY = (set(WORLD) - {"GLOO_IFACE", "GLOO_TIMEOUT_SECONDS"}) | {"ELASTIC_WORKER",
+                                                                     "ELASTIC_JOIN"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,5 +62,5 @@ def place(nodes: Sequence[NodeInfo], rendezvous: Tuple[str, int], key: bytes,
 def forwarded_settings(environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
     """The driver's HOROLITE_*/HOROVOD_* settings (not its identity, if it has one)."""
     return {name: value for name, value in environ.items()
-            if name.startswith(("HOROLITE_", "HOROVOD_"))
+            if name.startswith(PREFIXES)
             and name.split("_", 1)[1] not in _IDENTITY}
