@@ -96,3 +96,38 @@ def test_a_killed_actor_is_replaced_while_the_survivors_go_on(ray_cluster, tmp_p
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
         assert time.monotonic() < deadline, (ray.available_resources(), ray.cluster_resources())
         time.sleep(0.2)
+
+
+def failing_train():
+    import horolite as hvd
+    from horolite.elastic import ObjectState, run_fn
+    hvd.init()
+    state = ObjectState(hvd.broadcast_object, hvd.rank, step=0)
+
+    @run_fn
+    def loop(state):
+        while state.step < 1000:
+            hvd.allreduce(np.ones(4), name="grad")
+            state.step += 1
+            if state.step == 3 and hvd.rank() == 1:
+                raise ValueError("bad batch at step 3 on rank 1")
+            state.commit()
+            time.sleep(0.02)
+    loop(state)
+
+
+def test_an_error_of_the_training_code_ends_the_elastic_job_as_ray_raised_it(ray_cluster):
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=2,
+                           max_workers=2)
+    executor.start()
+    try:
+        with pytest.raises(ValueError, match="bad batch at step 3 on rank 1"):
+            executor.run(failing_train)
+        with pytest.raises(NotImplementedError, match="execute"):
+            executor.execute_single(lambda w: 1)
+    finally:
+        executor.shutdown()
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, (ray.available_resources(), ray.cluster_resources())
+        time.sleep(0.2)
