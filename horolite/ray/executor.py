@@ -149,7 +149,12 @@ class RayExecutor:
         key = secrets.token_bytes(32)
         # (the rendezvous actor's process starts while the placement group is reserved)
         self._rendezvous = ray.remote(actors.Rendezvous).options(num_cpus=0).remote(key)
-        self._group, self._own_group, bundles = self._reserve()
+        try:
+            self._group, self._own_group, bundles = self._reserve()
+        except BaseException:
+            ray.kill(self._rendezvous)
+            self._rendezvous = None
+            raise
         actor = ray.remote(actors.Worker)
         started = [actor.options(**self._worker_options(self._group, b)).remote()
                    for b in bundles]
