@@ -194,6 +194,17 @@ def test_run_raises_the_training_functions_own_error(ray_cluster):
         executor.shutdown()
 
 
+def test_more_workers_than_the_cluster_holds_is_a_timeout_naming_them(ray_cluster):
+    settings = RayExecutor.create_settings(placement_group_timeout_s=2)
+    executor = RayExecutor(settings, num_workers=9)  # the cluster has 4 CPUs
+    with pytest.raises(TimeoutError, match=r"Ray did not give 9 x \{'CPU': 1\} \(PACK\) within 2 s"):
+        executor.start()
+    deadline = time.monotonic() + 30  # the reservation is given back
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)
+
+
 def test_arguments_are_checked_as_horovods_are():
     settings = RayExecutor.create_settings()
     assert settings.timeout_s == 30 and settings.placement_group_timeout_s == 100
