@@ -33,7 +33,6 @@ from .ray_logger import Listener
 __all__ = ["ElasticDriver", "RayNodes"]
 
 _log = logging.getLogger("horolite.ray")
-STOP_SECONDS = 5.0
 
 
 class RayNodes(Discovery):
@@ -86,15 +85,6 @@ class _Outcome:
             self.error, self.returncode = e, 1
             self.worker.raised(e)
 
-    def wait(self, timeout: Optional[float] = None) -> int:
-        ready, _ = ray.wait([self.worker.ref], timeout=timeout)
-        if ready and self.returncode is None:
-            self._take()
-        return self.returncode
-
-    def kill(self) -> None:
-        self.worker.stop()
-
 
 class _RayWorker:
     """One worker actor, as elastic_gloo's driver sees a worker process."""
@@ -126,9 +116,6 @@ class _RayWorker:
         if isinstance(error, RayActorError):
             return "died: its Ray actor ended"
         return f"raised {type(error).__name__}" if error is not None else "ended"
-
-    def join_relays(self, seconds: float) -> None:
-        pass
 
 
 class _RayJob(_Driver):
