@@ -17,6 +17,11 @@ if _tf_spec is not None and _tf_spec.origin is None:
     sys.modules["tensorflow"] = None
 
 
+# The Ray test cluster's token, before any test module imports Ray (tests/on_ray/ray_cluster.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "on_ray"))
+from ray_cluster import use_session_token  # noqa: E402
+use_session_token()
+
 _seconds_by_file = {}
 
 

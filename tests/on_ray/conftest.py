@@ -30,7 +30,7 @@ def ray_cluster():
             cluster.start()
             ray.init(address=cluster.address, log_to_driver=True)
             cluster.wait_for_nodes(ray)
-        except RayClusterFailed as e:
+        except (RayClusterFailed, ConnectionError) as e:
             ray.shutdown()
             cluster.close()
             pytest.fail(f"the local Ray cluster did not start: {e}", pytrace=False)

@@ -15,16 +15,20 @@ import sys
 import time
 from typing import List, Optional
 
-__all__ = ["RayCluster", "RayClusterFailed"]
+__all__ = ["RayCluster", "RayClusterFailed", "use_session_token"]
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 NODE_CPUS = 2
 
 
-# Ray's token auth, with a token of this session's that the driver and both nodes have: a
-# token a local ray.init() left in ~/.ray is then never the one sent. Set on import, before
-# the driver imports Ray (which reads it once).
-os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+
+def use_session_token() -> None:
+    """Ray's token auth, with a token of this session's that the driver and both nodes have:
+    a token a local ray.init() left in ~/.ray is then never the one sent. Called by
+    tests/conftest.py, before any test module imports Ray (which reads the mode once, so a
+    driver that imported Ray first would connect without a token)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
 class RayClusterFailed(RuntimeError):
