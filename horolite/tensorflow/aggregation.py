@@ -43,10 +43,11 @@ class LocalAggregator:
             raise ValueError(f"backward_passes_per_step: got {len(grads)} gradients, but the "
                              f"aggregation state was built for {len(self.accumulators)}")
         pairs = [(a, g) for a, g in zip(self.accumulators, grads) if g is not None]
+        dropped = self._drop_a_failed_group()
         # Every sum waits for every gradient of the pass: a pass whose backprop fails part
         # way on this rank adds nothing (else the gradients made before the error stayed in
         # the sums, and the next exchange reduced them with the passes that worked).
-        with tf.control_dependencies(after_all([g for _, g in pairs])
+        with tf.control_dependencies(after_all([g for _, g in pairs] + [dropped])
                                      if not tf.executing_eagerly() else None):
             updates = [a.assign_add(g) for a, g in pairs]
         with tf.control_dependencies(updates if not tf.executing_eagerly() else None):
@@ -86,6 +87,26 @@ class LocalAggregator:
         for i, t in zip(present, chosen):
             out[i] = t
         return out
+
+    def _drop_a_failed_group(self):
+        """A counter already at `passes` when a pass begins: the exchange that ended the
+        last group failed (its error reached the caller, on every rank) and left its sums.
+        They are dropped and this pass begins a new group; else the counter went past
+        `passes` and no later call ever exchanged or applied again."""
+        def reset():
+            ops = [a.assign(tf.zeros_like(a)) for a in self.accumulators if a is not None]
+            ops.append(self.counter.assign(0))
+            return ops
+        if tf.executing_eagerly():
+            if int(self.counter.numpy()) >= self.passes:
+                reset()
+            return None
+
+        def reset_in_graph():
+            with tf.control_dependencies(reset()):
+                return tf.constant(True)
+        return tf.cond(tf.greater_equal(self.counter, self.passes), reset_in_graph,
+                       lambda: tf.constant(False))
 
     def should_apply(self):
         """True (a bool tensor in graphs) right after a communicating call."""

@@ -397,6 +397,41 @@ def four_aggregated_passes(loss_of, w, b, mode):
             np.testing.assert_array_equal(w.numpy(), W0)
 
 
+@pytest.mark.skipif(N < 2, reason="an exchange fails on every rank only where ranks differ")
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_local_aggregation_goes_on_after_an_exchange_failed_on_every_rank(mode):
+    """The 4th pass's exchange fails on every rank (rank 1 compresses to float16, the others
+    do not: a dtype mismatch). Its group's sums are dropped, and the next 4 passes exchange
+    and apply as if the failed group had never run. (Before, the counter went past 4 and
+    no later pass ever exchanged again: training went on, silently never updating.)"""
+    w, b = tf.Variable(W0), tf.Variable(B0)
+
+    def step(x, y, fp16):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(w, b, x, y)
+        tape = hvd.DistributedGradientTape(
+            tape, backward_passes_per_step=4, op=hvd.Sum,
+            compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
+        gw, gb = tape.gradient(loss, [w, b])
+        w.assign_sub(LR * gw)
+        b.assign_sub(LR * gb)
+        return tape.gradients_ready
+
+    step = tf.function(step) if mode == "function" else step  # (fp16: a trace each way)
+    xs = [tf.constant(X[minibatch(i)]) for i in range(4)]
+    ys = [tf.constant(Y[minibatch(i)]) for i in range(4)]
+    for i in range(3):
+        step(xs[i], ys[i], False)
+    error = (tf.errors.FailedPreconditionError if mode == "eager" or NATIVE
+             else tf.errors.InvalidArgumentError)
+    with pytest.raises(error, match="float16"):
+        step(xs[3], ys[3], R == 1)
+    np.testing.assert_array_equal(w.numpy(), W0)
+    for i in range(4):
+        assert bool(step(xs[i], ys[i], False)) == (i == 3)
+    np.testing.assert_allclose(w.numpy(), W0 - LR * local_grad_sum(4), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_local_aggregation_tape_and_eager_optimizer(mode):
     w, b = tf.Variable(W0), tf.Variable(B0)
