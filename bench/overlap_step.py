@@ -14,13 +14,18 @@ measures, in alternating blocks of one job (medians of the slowest rank's step):
 - tape_one_group: the same with every gradient in one request (``num_groups=1``);
 - fit / fit_plain: Keras ``fit`` with and without ``hvd.DistributedOptimizer``;
 - tape_inline / fit_inline: tape and fit with the exchange lane off (where the
-  ranks span hosts: agreed allreduces then run on the background thread).
+  ranks span hosts: agreed allreduces then run on the background thread);
+- tape_no_barrier / fit_no_barrier (``--barrier-cost``): tape and fit traced without the
+  barrier that holds a step's whole update until its last bucket is back (what keeps
+  every rank's weights equal after a failed step): what that guarantee costs, since
+  without it each bucket's share of the update can run while later buckets travel.
 
 and prints each step over max(plain, exchange): 1.0 is perfect overlap, about
 1 + min/max when nothing overlaps.
 
     python bench/overlap_step.py                      # as root; the issue's four models
     python bench/overlap_step.py --local --models 100x500:256
+    python bench/overlap_step.py --models 40x256:512 --optimizer adam --barrier-cost
 """
 from __future__ import annotations
 
@@ -77,7 +82,7 @@ def worker(args) -> None:
         y = tf.constant(rng.integers(0, 10, batch))
         loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         model = build()
-        opt = keras.optimizers.SGD(1e-4)
+        opt = _optimizer(keras, args)
 
         step_fn, exchange = step_functions(model, x, y, loss_fn, opt, hvd, "overlap_bench.exchange")
 
@@ -105,6 +110,9 @@ def worker(args) -> None:
                "tape_one_group": step_fn(lambda t: hvd.DistributedGradientTape(t, num_groups=1))}
         if rt.lane is not None:
             fns["tape_inline"] = inline(tape_fn)
+        if args.barrier_cost:
+            fns["tape_no_barrier"] = without_barrier(
+                step_fn(lambda t: hvd.DistributedGradientTape(t)))
         times = interleaved_median_times({k: (lambda f=f: f().numpy()) for k, f in fns.items()},
                                          args.iters, blocks=args.blocks, warmup=args.warmup,
                                          comm=comm)
@@ -115,6 +123,28 @@ def worker(args) -> None:
     if comm.Get_rank() == 0:
         print("RESULT " + json.dumps({"ranks": comm.Get_size(), "rows": rows}), flush=True)
     hvd.shutdown()
+
+
+def _optimizer(keras, args):
+    return (keras.optimizers.Adam(1e-4) if args.optimizer == "adam"
+            else keras.optimizers.SGD(1e-4))
+
+
+def without_barrier(fn):
+    """fn, traced (on its first call) without the barrier that makes a step's reduced
+    gradients, and so its whole update, wait for its last request: each bucket's share of
+    the update can then start while later buckets travel. For measuring only: a step that
+    fails on one rank may then leave the ranks' weights unequal."""
+    from horolite.tensorflow import gradients
+
+    def run(*args, **kwargs):
+        kept = gradients._after_every_request
+        gradients._after_every_request = lambda *a: None
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gradients._after_every_request = kept
+    return run
 
 
 def _fit_times(keras, hvd_keras, build, x, y, args, comm, np, rt) -> dict:
@@ -132,9 +162,11 @@ def _fit_times(keras, hvd_keras, build, x, y, args, comm, np, rt) -> dict:
     kinds = [("fit_plain", None), ("fit", hvd_keras.DistributedOptimizer)]
     if rt.lane is not None:
         kinds.append(("fit_inline", hvd_keras.DistributedOptimizer))
+    if args.barrier_cost:
+        kinds.append(("fit_no_barrier", hvd_keras.DistributedOptimizer))
     for name, wrap in kinds:
         model = build()
-        opt = keras.optimizers.SGD(1e-4)
+        opt = _optimizer(keras, args)
         model.compile(optimizer=opt if wrap is None else wrap(opt),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         models[name] = model
@@ -147,8 +179,9 @@ def _fit_times(keras, hvd_keras, build, x, y, args, comm, np, rt) -> dict:
             timer = Timer()
             comm.Barrier()
             rt.pipelined = name != "fit_inline"
-            model.fit(data, epochs=1, steps_per_epoch=per + args.warmup + 1, verbose=0,
-                      callbacks=[timer])
+            fit = model.fit if name != "fit_no_barrier" else without_barrier(model.fit)
+            fit(data, epochs=1, steps_per_epoch=per + args.warmup + 1, verbose=0,
+                callbacks=[timer])
             rt.pipelined = True
             steps = np.diff(np.array(timer.ends[args.warmup:]))
             slowest = np.empty_like(steps)
@@ -195,6 +228,18 @@ def report(doc: dict, args) -> str:
                                   row["tape_over_max"], 1.15, "x", False, limit))
             targets.append(Target(f"{row['model']}: fit / max(fit plain, exchange)",
                                   row["fit_over_max"], 1.15, "x", False, limit))
+    barriers = [row for row in doc["rows"] if "tape_no_barrier_s" in row]
+    if barriers:  # the update barrier on and off, in the same job
+        lines += ["", "| model | tape ms | tape, no barrier ms | fit ms | fit, no barrier ms | "
+                  "tape: barrier / none | fit: barrier / none |", "|---|---|---|---|---|---|---|"]
+        for row in barriers:
+            row["barrier_tape_over_none"] = row["tape_s"] / row["tape_no_barrier_s"]
+            row["barrier_fit_over_none"] = row["fit_s"] / row["fit_no_barrier_s"]
+            lines.append(f"| {row['model']} | {1e3 * row['tape_s']:.1f} | "
+                         f"{1e3 * row['tape_no_barrier_s']:.1f} | {1e3 * row['fit_s']:.1f} | "
+                         f"{1e3 * row['fit_no_barrier_s']:.1f} | "
+                         f"{row['barrier_tape_over_none']:.3f} | "
+                         f"{row['barrier_fit_over_none']:.3f} |")
     lanes = [row for row in doc["rows"] if "tape_inline_s" in row]
     if lanes:  # the exchange lane on and off, in the same job
         lines += ["", "| model | tape ms | tape, lane off ms | fit ms | fit, lane off ms | "
@@ -228,6 +273,9 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", default=None)
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--barrier-cost", action="store_true",
+                   help="also time tape and fit traced without the update barrier")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the ranks (repeatable)")
     args = p.parse_args(argv)
@@ -236,7 +284,8 @@ def main(argv=None) -> int:
         return 0
     run = os.path.join(os.path.dirname(sys.executable), "horolite-run")
     work = [sys.executable, os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
-            "--iters", str(args.iters), "--blocks", str(args.blocks), "--warmup", str(args.warmup)]
+            "--iters", str(args.iters), "--blocks", str(args.blocks), "--warmup", str(args.warmup),
+            "--optimizer", args.optimizer] + (["--barrier-cost"] if args.barrier_cost else [])
     env = dict(os.environ, **dict(e.split("=", 1) for e in args.env))
     started = time.time()
     if args.local:
@@ -266,7 +315,7 @@ def main(argv=None) -> int:
            f"2 simulated hosts x 1 rank, links at {args.rate}",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "load_average": os.getloadavg(), "wall_seconds": round(time.time() - started, 1),
-           "settings": args.env, **result}
+           "settings": args.env, "optimizer": args.optimizer, **result}
     md = report(doc, args)
     out = args.out or os.path.join(HERE, "results",
                                    "overlap_step_local.json" if args.local else "overlap_step.json")

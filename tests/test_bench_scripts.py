@@ -220,19 +220,25 @@ def test_the_straggler_record_ab_prints_its_ratios(tmp_path, script, extra):
 
 def test_overlap_step(tmp_path):
     # Starts its own horolite-run (np 2 on this machine here; the simulated hosts as root by
-    # default): the tape, fit and the exchange alone on a tiny model, every column present.
+    # default): the tape, fit and the exchange alone on a tiny model, every column present;
+    # on pretend hosts (buckets and the lane on) with Adam, and without the update barrier.
     pytest.importorskip("tensorflow")
     out = tmp_path / "overlap_step.json"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "overlap_step.py"), "--local",
                            "--models", "2x16:8", "--iters", "2", "--blocks", "1", "--warmup", "1",
+                           "--optimizer", "adam", "--barrier-cost",
+                           "--env", "HOROLITE_TEST_HOST_IDENTITY=1+1",
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     row, = doc["rows"]
+    assert doc["optimizer"] == "adam"
     for key in ("plain_s", "forward_s", "exchange_s", "tape_s", "tape_one_group_s", "fit_s",
-                "fit_plain_s", "tape_over_max", "bound_over_max"):
+                "fit_plain_s", "tape_over_max", "bound_over_max", "tape_inline_s",
+                "tape_no_barrier_s", "fit_no_barrier_s", "barrier_tape_over_none",
+                "barrier_fit_over_none"):
         assert key in row and row[key] > 0, key
     assert (tmp_path / "overlap_step.md").exists()
 
