@@ -197,6 +197,24 @@ def _mpi_max():
 
 # ---- driver ----
 
+def _paired(rows, suffix: str, key: str, label: str, ratio: str) -> list:
+    """A table of tape and fit as run and as run with `suffix` (the same job's blocks);
+    each row gains "{key}_tape_ratio" and "{key}_fit_ratio" (as run / with `suffix`)."""
+    rows = [row for row in rows if f"tape_{suffix}_s" in row]
+    if not rows:
+        return []
+    lines = ["", f"| model | tape ms | tape, {label} ms | fit ms | fit, {label} ms | "
+             f"tape: {ratio} | fit: {ratio} |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        cells = [row["model"]]
+        for way in ("tape", "fit"):
+            row[f"{key}_{way}_ratio"] = row[f"{way}_s"] / row[f"{way}_{suffix}_s"]
+            cells += [f"{1e3 * row[f'{way}_s']:.1f}", f"{1e3 * row[f'{way}_{suffix}_s']:.1f}"]
+        cells += [f"{row[f'{key}_tape_ratio']:.3f}", f"{row[f'{key}_fit_ratio']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def report(doc: dict, args) -> str:
     sys.path.insert(0, HERE)
     from common import Target
@@ -228,29 +246,8 @@ def report(doc: dict, args) -> str:
                                   row["tape_over_max"], 1.15, "x", False, limit))
             targets.append(Target(f"{row['model']}: fit / max(fit plain, exchange)",
                                   row["fit_over_max"], 1.15, "x", False, limit))
-    barriers = [row for row in doc["rows"] if "tape_no_barrier_s" in row]
-    if barriers:  # the update barrier on and off, in the same job
-        lines += ["", "| model | tape ms | tape, no barrier ms | fit ms | fit, no barrier ms | "
-                  "tape: barrier / none | fit: barrier / none |", "|---|---|---|---|---|---|---|"]
-        for row in barriers:
-            row["barrier_tape_over_none"] = row["tape_s"] / row["tape_no_barrier_s"]
-            row["barrier_fit_over_none"] = row["fit_s"] / row["fit_no_barrier_s"]
-            lines.append(f"| {row['model']} | {1e3 * row['tape_s']:.1f} | "
-                         f"{1e3 * row['tape_no_barrier_s']:.1f} | {1e3 * row['fit_s']:.1f} | "
-                         f"{1e3 * row['fit_no_barrier_s']:.1f} | "
-                         f"{row['barrier_tape_over_none']:.3f} | "
-                         f"{row['barrier_fit_over_none']:.3f} |")
-    lanes = [row for row in doc["rows"] if "tape_inline_s" in row]
-    if lanes:  # the exchange lane on and off, in the same job
-        lines += ["", "| model | tape ms | tape, lane off ms | fit ms | fit, lane off ms | "
-                  "tape: on / off | fit: on / off |", "|---|---|---|---|---|---|---|"]
-        for row in lanes:
-            row["lane_tape_on_over_off"] = row["tape_s"] / row["tape_inline_s"]
-            row["lane_fit_on_over_off"] = row["fit_s"] / row["fit_inline_s"]
-            lines.append(f"| {row['model']} | {1e3 * row['tape_s']:.0f} | "
-                         f"{1e3 * row['tape_inline_s']:.0f} | {1e3 * row['fit_s']:.0f} | "
-                         f"{1e3 * row['fit_inline_s']:.0f} | "
-                         f"{row['lane_tape_on_over_off']:.2f} | {row['lane_fit_on_over_off']:.2f} |")
+    lines += _paired(doc["rows"], "no_barrier", "barrier", "no barrier", "barrier / none")
+    lines += _paired(doc["rows"], "inline", "lane", "lane off", "on / off")
     lines.append("")
     if targets:
         lines += ["| target | value | bound | met | what limits it |", "|---|---|---|---|---|"]

@@ -237,8 +237,8 @@ def test_overlap_step(tmp_path):
     assert doc["optimizer"] == "adam"
     for key in ("plain_s", "forward_s", "exchange_s", "tape_s", "tape_one_group_s", "fit_s",
                 "fit_plain_s", "tape_over_max", "bound_over_max", "tape_inline_s",
-                "tape_no_barrier_s", "fit_no_barrier_s", "barrier_tape_over_none",
-                "barrier_fit_over_none"):
+                "tape_no_barrier_s", "fit_no_barrier_s", "barrier_tape_ratio",
+                "barrier_fit_ratio", "lane_tape_ratio", "lane_fit_ratio"):
         assert key in row and row[key] > 0, key
     assert (tmp_path / "overlap_step.md").exists()
 
