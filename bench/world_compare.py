@@ -6,6 +6,7 @@ tf.function and with Keras fit and DistributedOptimizer.
 
     python bench/world_compare.py [--np 2 3 4] [--rounds 3]
     python bench/world_compare.py --np 16 --pretend-hosts --iters 10   # set-up across 16 hosts
+    python bench/world_compare.py --hosts 2x2 --steps    # as root: simulated hosts, 1 Gbit/s
 
 Each round starts one job in each world per rank count, alternating, and each job's
 ranks time the same allreduces (the median of many, the slowest rank's) and when init()
@@ -111,17 +112,31 @@ def step_times(hvd, rank: int, iters: int) -> dict:
     return out
 
 
-def one_job(world: str, np_: int, iters: int, pretend: bool = False, steps: bool = False) -> dict:
+def bed_hosts(shape: str) -> str:
+    """`-H` for a layout of simulated hosts: "2x2" -> "hl-a:2,hl-b:2"."""
+    hosts, per = (int(n) for n in shape.split("x"))
+    return ",".join(f"hl-{chr(ord('a') + i)}:{per}" for i in range(hosts))
+
+
+def one_job(world: str, np_: int, iters: int, pretend: bool = False, steps: bool = False,
+            bed=None, hosts: str = "") -> dict:
     run = shutil.which("horolite-run", path=os.path.dirname(sys.executable) + os.pathsep
                        + os.environ.get("PATH", ""))
     outdir = tempfile.mkdtemp(prefix="world-compare-")
-    cmd = [run] + (["--gloo"] if world == "gloo" else []) + [
-        "-np", str(np_), sys.executable, os.path.abspath(__file__), "--rank-side", outdir,
+    where = ["-H", hosts] if bed is not None else ["-np", str(np_)]
+    cmd = [run] + (["--gloo"] if world == "gloo" else []) + where + [
+        sys.executable, os.path.abspath(__file__), "--rank-side", outdir,
         "--iters", str(iters)] + (["--steps"] if steps else [])
     env = dict(os.environ)
     if pretend:  # every rank a host of its own: the set-up of a job across np hosts
         env["HOROLITE_TEST_HOST_IDENTITY"] = "+".join(["1"] * np_)
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600, env=env)
+    if bed is None:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=600, env=env)
+    else:  # (the simulated hosts share this machine's files and clock)
+        proc = bed.run(cmd, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:4])} ... exited {proc.returncode}:\n"
+                               f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     ranks = [json.load(open(os.path.join(outdir, f"rank.{q}.json"))) for q in range(np_)]
     shutil.rmtree(outdir, ignore_errors=True)
     slowest = {k: max(x[k] for x in ranks) for k in ("resnet50", "tape", "fit") if k in ranks[0]}
@@ -141,6 +156,10 @@ def main(argv=None) -> None:
     p.add_argument("--steps", action="store_true",
                    help="also the NumPy ResNet-50 step and TensorFlow's tape and fit steps")
     p.add_argument("--tiny", action="store_true", help="one short round (the suite's smoke run)")
+    p.add_argument("--hosts", metavar="HOSTSxRANKS",
+                   help="run every job across simulated hosts (as root; tests/multihost/bed.py), "
+                        "e.g. 2x2, instead of --np on this host")
+    p.add_argument("--rate", default="1gbit", help="with --hosts: every link's rate (tc tbf)")
     args = p.parse_args(argv)
     if args.rank_side:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (step_models, step_tf)
@@ -148,12 +167,30 @@ def main(argv=None) -> None:
         return
     if args.tiny:
         args.np, args.rounds, args.iters = [2], 1, 8
+    bed = None
+    if args.hosts:
+        hosts, per = (int(n) for n in args.hosts.split("x"))
+        args.np = [hosts * per]
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "tests", "multihost"))
+        from bed import Bed, unavailable_reason
+        reason = unavailable_reason()
+        if reason:
+            sys.exit(f"world_compare: cannot build simulated hosts: {reason}")
+        bed = Bed(hosts).start()
+        bed.shape(args.rate)
+        print(f"{args.hosts} simulated hosts, links at {args.rate}")
     seen = {(w, n): [] for w in ("mpi", "gloo") for n in args.np}
-    for _ in range(args.rounds):
-        for n in args.np:
-            for world in ("mpi", "gloo"):
-                seen[world, n].append(one_job(world, n, args.iters, args.pretend_hosts,
-                                              args.steps))
+    try:
+        for _ in range(args.rounds):
+            for n in args.np:
+                for world in ("mpi", "gloo"):
+                    seen[world, n].append(one_job(world, n, args.iters, args.pretend_hosts,
+                                                  args.steps, bed,
+                                                  bed_hosts(args.hosts) if bed else ""))
+    finally:
+        if bed is not None:
+            bed.close()
     print("| np | measure | MPI world | without MPI | ratio | target |")
     print("|---|---|---|---|---|---|")
     for n in args.np:

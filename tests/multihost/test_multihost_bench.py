@@ -1,4 +1,4 @@
-"""bench/multihost_bandwidth.py runs end to end on a tiny size (a smoke run, no speed checked)."""
+"""The benchmarks that build simulated hosts run end to end on a tiny size (smoke runs, no speed checked)."""
 import json
 import os
 import subprocess
@@ -37,3 +37,18 @@ def test_thread_cpu_step_smoke(bed, tmp_path):
         assert set(rank["rows"]) == {"plain", "exchange", "tape"}
         assert rank["rows"]["exchange"]["threads"]["tcp link"][0] >= 0  # its I/O threads seen
     assert (tmp_path / "tc.md").exists()
+
+
+def test_world_compare_across_hosts_smoke(bed):
+    """bench/world_compare.py --hosts: a job in each world (mpirun and --gloo) across two
+    simulated hosts of its own, every row with both worlds' numbers and a verdict."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "world_compare.py"),
+                           "--tiny", "--hosts", "2x1"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 4, proc.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[2].split()[0]) > 0 and float(cells[3].split()[0]) > 0, row
+        assert cells[5].endswith(("met", "missed")), row
