@@ -15,6 +15,10 @@ CPU per thread group, and wake-ups.
 
     python bench/thread_cpu_step.py                          # mpi vs tcp, 40x256:512
     python bench/thread_cpu_step.py --transports mpi --steps 10
+    python bench/thread_cpu_step.py --transports tcp,gloo --hosts hl-a:2,hl-b:2
+
+``gloo`` is a job started without MPI (``horolite-run --gloo``): horolite's TCP
+connections across hosts, its own world for everything else.
 """
 from __future__ import annotations
 
@@ -84,8 +88,8 @@ def worker(args) -> None:
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import keras
-    from mpi4py import MPI
     import horolite.tensorflow as hvd
+    from horolite.core.mpi_library import MPI  # the job world's (mpi4py's under mpirun)
     from horolite.runtime import registry
     from tf_steps import step_functions
 
@@ -152,7 +156,9 @@ def main(argv=None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="40x256:512", help="layers x width : batch")
     p.add_argument("--transports", default="mpi,tcp",
-                   help="HOROLITE_CROSS_HOST_TRANSPORT values, one job each, alternating")
+                   help="HOROLITE_CROSS_HOST_TRANSPORT values, one job each, alternating; "
+                        "gloo: a job started with horolite-run --gloo")
+    p.add_argument("--hosts", default="hl-a:1,hl-b:1", help="horolite-run -H (two hosts)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rate", default="1gbit", help="tc tbf rate of every link ('' for none)")
     p.add_argument("--steps", type=int, default=20)
@@ -172,7 +178,7 @@ def main(argv=None) -> int:
     work = [sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model,
             "--steps", str(args.steps), "--warmup", str(args.warmup)]
     doc = {"benchmark": "thread_cpu_step", "model": args.model,
-           "where": f"2 simulated hosts x 1 rank, links at {args.rate or 'veth, uncapped'}",
+           "where": f"simulated hosts {args.hosts}, links at {args.rate or 'veth, uncapped'}",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "runs": []}
     with Bed(2) as bed:
@@ -180,8 +186,10 @@ def main(argv=None) -> int:
             bed.shape(args.rate)
         for _ in range(args.rounds):
             for transport in args.transports.split(","):
-                proc = bed.run([run, "-H", "hl-a:1,hl-b:1"] + work, timeout=1800,
-                               env={"HOROLITE_CROSS_HOST_TRANSPORT": transport})
+                gloo = ["--gloo"] if transport == "gloo" else []
+                proc = bed.run([run] + gloo + ["-H", args.hosts] + work, timeout=1800,
+                               env={"HOROLITE_CROSS_HOST_TRANSPORT":
+                                    "tcp" if transport == "gloo" else transport})
                 found = [line.split("RESULT ", 1)[1] for line in proc.stdout.splitlines()
                          if "RESULT " in line]
                 if not found:

@@ -23,19 +23,21 @@ def test_multihost_bandwidth_smoke(bed, tmp_path):  # `bed`: skips where no bed 
 
 
 def test_thread_cpu_step_smoke(bed, tmp_path):
-    """bench/thread_cpu_step.py end to end on a tiny model over horolite's TCP connections."""
+    """bench/thread_cpu_step.py end to end on a tiny model over horolite's TCP connections,
+    in a job under mpirun and in one started without MPI (--gloo)."""
     out = tmp_path / "tc.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "thread_cpu_step.py"),
-                           "--transports", "tcp", "--model", "2x16:8", "--steps", "2",
+                           "--transports", "tcp,gloo", "--model", "2x16:8", "--steps", "2",
                            "--warmup", "1", "--rate", "", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
-    [run] = doc["runs"]
-    assert run["asked"] == "tcp" and [r["transport"] for r in run["ranks"]] == ["tcp", "tcp"]
-    for rank in run["ranks"]:
-        assert set(rank["rows"]) == {"plain", "exchange", "tape"}
-        assert rank["rows"]["exchange"]["threads"]["tcp link"][0] >= 0  # its I/O threads seen
+    assert [run["asked"] for run in doc["runs"]] == ["tcp", "gloo"]
+    for run in doc["runs"]:
+        assert [r["transport"] for r in run["ranks"]] == ["tcp", "tcp"]
+        for rank in run["ranks"]:
+            assert set(rank["rows"]) == {"plain", "exchange", "tape"}
+            assert rank["rows"]["exchange"]["threads"]["tcp link"][0] >= 0  # I/O threads seen
     assert (tmp_path / "tc.md").exists()
 
 
