@@ -397,7 +397,7 @@ def four_aggregated_passes(loss_of, w, b, mode):
             np.testing.assert_array_equal(w.numpy(), W0)
 
 
-@pytest.mark.skipif(N < 2, reason="an exchange fails on every rank only where ranks differ")
+@pytest.mark.skipif(N < 2, reason="a mismatch needs two ranks")  # (one rank cannot fail so)
 @pytest.mark.parametrize("mode", ["eager", "function"])
 def test_local_aggregation_goes_on_after_an_exchange_failed_on_every_rank(mode):
     """The 4th pass's exchange fails on every rank (rank 1 compresses to float16, the others
