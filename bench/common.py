@@ -9,6 +9,7 @@ saved next to the JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -191,6 +192,23 @@ def polite_barrier(comm, poll_seconds: float = 0.005) -> None:
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(poll_seconds)
+
+
+@contextlib.contextmanager
+def simulated_hosts(count: int, rate: str, script: str):
+    """A bed of `count` simulated hosts (tests/multihost/bed.py; root only), every link at
+    `rate` ('' or 'none': uncapped), closed on the way out. Where none can be built, the
+    script ends with exit code 2, saying why."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "multihost"))
+    from bed import Bed, unavailable_reason
+    reason = unavailable_reason()
+    if reason:
+        print(f"{script}: cannot build simulated hosts: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+    with Bed(count) as bed:
+        if rate and rate != "none":
+            bed.shape(rate)
+        yield bed
 
 
 def free_port() -> int:

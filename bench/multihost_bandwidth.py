@@ -28,7 +28,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 MiB = 1 << 20
 LAYOUTS = {"2x1": "hl-a:1,hl-b:1", "2x2": "hl-a:2,hl-b:2"}
 
@@ -191,17 +190,11 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    sys.path.insert(0, os.path.join(ROOT, "tests", "multihost"))
-    from bed import Bed, unavailable_reason
-    reason = unavailable_reason()
-    if reason:
-        print(f"multihost_bandwidth: cannot build simulated hosts: {reason}", file=sys.stderr)
-        return 2
+    sys.path.insert(0, HERE)
+    from common import simulated_hosts
     results = {}
     started = time.time()
-    with Bed(2) as bed:
-        if args.rate != "none":
-            bed.shape(args.rate)
+    with simulated_hosts(2, args.rate, "multihost_bandwidth") as bed:
         for layout in args.layouts.split(","):
             sizes = args.sizes if layout == "2x1" else ([s for s in args.sizes if s >= 16 * MiB]
                                                         or args.sizes)

@@ -37,7 +37,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 # layers x width : batch (a Dense(width) input, then `layers` Dense(width, relu), Dense(10))
 MODELS = ["40x256:512", "40x256:2048", "40x256:128", "12x1024:256"]
 
@@ -290,14 +289,9 @@ def main(argv=None) -> int:
         proc = subprocess.run([run, "-np", "2"] + work, capture_output=True, text=True,
                               timeout=3600, env=env)
     else:
-        sys.path.insert(0, os.path.join(ROOT, "tests", "multihost"))
-        from bed import Bed, unavailable_reason
-        reason = unavailable_reason()
-        if reason:
-            print(f"overlap_step: cannot build simulated hosts: {reason}", file=sys.stderr)
-            return 2
-        with Bed(2) as bed:
-            bed.shape(args.rate)
+        sys.path.insert(0, HERE)
+        from common import simulated_hosts
+        with simulated_hosts(2, args.rate, "overlap_step") as bed:
             proc = bed.run([run, "-H", "hl-a:1,hl-b:1"] + work, timeout=3600,
                            env=dict(e.split("=", 1) for e in args.env) or None)
     result = None

@@ -32,7 +32,6 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def _thread_groups() -> dict:
@@ -168,12 +167,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    sys.path.insert(0, os.path.join(ROOT, "tests", "multihost"))
-    from bed import Bed, unavailable_reason
-    reason = unavailable_reason()
-    if reason:
-        print(f"thread_cpu_step: cannot build simulated hosts: {reason}", file=sys.stderr)
-        return 2
+    sys.path.insert(0, HERE)
+    from common import simulated_hosts
     run = os.path.join(os.path.dirname(sys.executable), "horolite-run")
     work = [sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model,
             "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -181,9 +176,7 @@ def main(argv=None) -> int:
            "where": f"simulated hosts {args.hosts}, links at {args.rate or 'veth, uncapped'}",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "runs": []}
-    with Bed(2) as bed:
-        if args.rate:
-            bed.shape(args.rate)
+    with simulated_hosts(2, args.rate, "thread_cpu_step") as bed:
         for _ in range(args.rounds):
             for transport in args.transports.split(","):
                 gloo = ["--gloo"] if transport == "gloo" else []

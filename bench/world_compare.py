@@ -17,6 +17,7 @@ returned after the last rank's process started. It prints gloo/MPI ratios: targe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -112,9 +113,8 @@ def step_times(hvd, rank: int, iters: int) -> dict:
     return out
 
 
-def bed_hosts(shape: str) -> str:
-    """`-H` for a layout of simulated hosts: "2x2" -> "hl-a:2,hl-b:2"."""
-    hosts, per = (int(n) for n in shape.split("x"))
+def bed_hosts(hosts: int, per: int) -> str:
+    """`-H` for `hosts` simulated hosts of `per` ranks: (2, 2) -> "hl-a:2,hl-b:2"."""
     return ",".join(f"hl-{chr(ord('a') + i)}:{per}" for i in range(hosts))
 
 
@@ -167,30 +167,20 @@ def main(argv=None) -> None:
         return
     if args.tiny:
         args.np, args.rounds, args.iters = [2], 1, 8
-    bed = None
-    if args.hosts:
-        hosts, per = (int(n) for n in args.hosts.split("x"))
-        args.np = [hosts * per]
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))), "tests", "multihost"))
-        from bed import Bed, unavailable_reason
-        reason = unavailable_reason()
-        if reason:
-            sys.exit(f"world_compare: cannot build simulated hosts: {reason}")
-        bed = Bed(hosts).start()
-        bed.shape(args.rate)
-        print(f"{args.hosts} simulated hosts, links at {args.rate}")
-    seen = {(w, n): [] for w in ("mpi", "gloo") for n in args.np}
-    try:
+    with contextlib.ExitStack() as stack:
+        bed, on = None, ""
+        if args.hosts:
+            from common import simulated_hosts
+            hosts, per = (int(n) for n in args.hosts.split("x"))
+            args.np, on = [hosts * per], bed_hosts(hosts, per)
+            bed = stack.enter_context(simulated_hosts(hosts, args.rate, "world_compare"))
+            print(f"{args.hosts} simulated hosts, links at {args.rate}")
+        seen = {(w, n): [] for w in ("mpi", "gloo") for n in args.np}
         for _ in range(args.rounds):
             for n in args.np:
                 for world in ("mpi", "gloo"):
                     seen[world, n].append(one_job(world, n, args.iters, args.pretend_hosts,
-                                                  args.steps, bed,
-                                                  bed_hosts(args.hosts) if bed else ""))
-    finally:
-        if bed is not None:
-            bed.close()
+                                                  args.steps, bed, on))
     print("| np | measure | MPI world | without MPI | ratio | target |")
     print("|---|---|---|---|---|---|")
     for n in args.np:

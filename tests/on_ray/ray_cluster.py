@@ -21,7 +21,6 @@ RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 NODE_CPUS = 2
 
 
-
 def use_session_token() -> None:
     """Ray's token auth, with a token of this session's that the driver and both nodes have:
     a token a local ray.init() left in ~/.ray is then never the one sent. Called by
