@@ -325,6 +325,8 @@ class _Driver:
                  f"{self.resets}, more than --reset-limit {self.ecfg.reset_limit}: the job fails")
             return 1
         self.generation += 1
+        for w in leaving:  # (it ends when it reads the plan: never a newcomer again)
+            w.evicted = "left: its host offers fewer slots"
         self.members = [w for w in self.members if w not in leaving] + ready
         self._publish_plan(self.members)
         _log(f"generation {self.generation - 1}: {'; '.join(said)}; generation "

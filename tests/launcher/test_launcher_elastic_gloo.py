@@ -104,7 +104,8 @@ def finish(proc, tmp_path):
 def test_kill9_survivors_go_on_and_a_new_worker_joins(start, tmp_path, np_, victim):
     # Every rank on a pretend host of its own, in every generation: the worlds' data go
     # over horolite's TCP connections as across real hosts (the other tests: one host).
-    proc = start_job(start, tmp_path, np_, np_ - 1, env={"HOROLITE_TEST_HOST_IDENTITY": "each"})
+    proc = start_job(start, tmp_path, np_, np_ - 1, env={"HOROLITE_TEST_HOST_IDENTITY": "each",
+                                                         "HOROLITE_LOG_LEVEL": "INFO"})
     until(lambda: full_world(tmp_path, np_), proc, "generation 0")
     killed_at = time.time()
     os.kill(pid(tmp_path, f"w{victim}"), signal.SIGKILL)
@@ -118,6 +119,11 @@ def test_kill9_survivors_go_on_and_a_new_worker_joins(start, tmp_path, np_, vict
     assert f"generation 1: w{np_} (host localhost) joins; generation 2: {np_} rank(s), from " \
            "the next commit" in err, err[-3000:]
     survivors = [f"w{k}" for k in range(np_) if k != victim]
+    # Survivors keep their connections to each other; only the new worker's are new.
+    for generation in (1, 2) if np_ > 2 else ():
+        kept = re.findall(rf"generation {generation}, (\d+) kept from the one before", err)
+        assert sorted(kept, key=int)[-(np_ - 1):] == [str(np_ - 2)] * (np_ - 1), \
+            (generation, kept, err[-3000:])
     for w in survivors:
         assert [r[:2] for r in lines(tmp_path, "resets", w)] == [["1", str(np_ - 1)],
                                                                  ["2", str(np_)]], w
@@ -229,7 +235,7 @@ def test_when_horolite_run_dies_every_worker_ends(start, tmp_path):
     assert not wait_until_gone(str(tmp_path), 10), "workers outlived horolite-run"
 
 
-def test_slots_from_the_discovery_script_join_and_leave_at_a_commit(start, tmp_path):
+def test_slots_from_the_discovery_script_join_and_leave_at_a_commit_ten_times(start, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:2\n")
     script = tmp_path / "discover.sh"
@@ -237,19 +243,25 @@ def test_slots_from_the_discovery_script_join_and_leave_at_a_commit(start, tmp_p
     script.chmod(0o755)
     proc = start_job(start, tmp_path, 2, 1, "--host-discovery-script", script)
     until(lambda: full_world(tmp_path, 2), proc, "generation 0")
-    hosts.write_text("localhost:3\n")
-    until(lambda: full_world(tmp_path, 3), proc, "w2's join")
-    hosts.write_text("localhost:2\n")
-    until(lambda: full_world(tmp_path, 2) and "w2" not in stepping(tmp_path), proc,
-          "w2's leaving")
+    joined = []
+    for time_ in range(10):
+        hosts.write_text("localhost:3\n")
+        until(lambda: full_world(tmp_path, 3), proc, f"a join, time {time_}")
+        joined.append(_at_rank(tmp_path, 2))
+        hosts.write_text("localhost:2\n")
+        until(lambda: full_world(tmp_path, 2) and joined[-1] not in stepping(tmp_path), proc,
+              f"{joined[-1]}'s leaving")
     err = finish(proc, tmp_path)
-    assert "generation 0: w2 (host localhost) joins; generation 1: 3 rank(s), from the next " \
-           "commit" in err, err[-3000:]
-    assert "generation 1: rank 2 (w2) leaves: host localhost offers fewer slots; generation " \
-           "2: 2 rank(s), from the next commit" in err, err[-3000:]
+    assert joined == [f"w{k}" for k in range(2, 12)], joined
+    for k, w in enumerate(joined):
+        assert f"generation {2 * k}: {w} (host localhost) joins; generation {2 * k + 1}: 3 " \
+               "rank(s), from the next commit" in err, (w, err[-3000:])
+        assert f"generation {2 * k + 1}: rank 2 ({w}) leaves: host localhost offers fewer " \
+               f"slots; generation {2 * k + 2}: 2 rank(s), from the next commit" in err, \
+            (w, err[-3000:])
+        # each left when its plan left it out: it ended well, without its final state
+        assert lines(tmp_path, "steps", w) and not os.path.exists(tmp_path / f"final.{w}.npy")
     assert sorted(check_finals(tmp_path, proc, err)) == ["w0", "w1"]
-    # w2 left when its plan left it out: it ended well, without its final state.
-    assert lines(tmp_path, "steps", "w2") and not os.path.exists(tmp_path / "final.w2.npy")
 
 
 def test_a_host_where_a_new_worker_fails_to_start_cools_down(start, tmp_path):

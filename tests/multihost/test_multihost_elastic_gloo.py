@@ -37,25 +37,33 @@ def _finish(job, tmp_path):
     return err
 
 
-def test_kill_9_of_a_remote_rank_the_others_go_on_and_a_new_worker_joins_over_ssh(
+def test_kill_9_of_a_remote_rank_ten_times_the_others_go_on_and_a_new_worker_joins_over_ssh(
         bed, no_leftovers, tmp_path):
-    job = _job(bed, tmp_path)
+    job, took, victim = _job(bed, tmp_path), [], "w3"
     with stopped_at_exit(job):
         until(lambda: full_world(tmp_path, 4), job, "generation 0", 120)
-        killed_at = time.time()
-        bed.on("hl-b", ["kill", "-9", str(pid(tmp_path, "w3"))])
-        until(lambda: stepping(tmp_path).get("w4", (-1,))[0] == 2 and full_world(tmp_path, 4),
-              job, "w4's join", 120)
+        for k in range(10):
+            newcomer, before = f"w{4 + k}", max(g for g, _, _ in stepping(tmp_path).values())
+            killed_at = time.time()
+            bed.on("hl-b", ["kill", "-9", str(pid(tmp_path, victim))])
+            until(lambda: newcomer in stepping(tmp_path) and full_world(tmp_path, 4), job,
+                  f"{newcomer}'s join", 120)
+            took.append(first_step_after(tmp_path, before) - killed_at)
+            victim = newcomer  # (the newest worker is rank 3, on hl-b)
         err = _finish(job, tmp_path)
-    assert re.search(r"generation 0: rank 3 \(w3, host hl-b\) was killed by signal 9 "
-                     r"\(SIGKILL\); generation 1: 3 rank\(s\) go on", err), err[-3000:]
-    assert "w4 starts on hl-b" in err and "w4 (host hl-b) joins" in err, err[-3000:]
+    assert len(re.findall(r"generation \d+: rank 3 \(w\d+, host hl-b\) was killed by signal 9 "
+                          r"\(SIGKILL\); generation \d+: 3 rank\(s\) go on", err)) == 10, \
+        err[-3000:]
+    for k in range(10):
+        assert f"w{4 + k} starts on hl-b" in err and f"w{4 + k} (host hl-b) joins" in err, \
+            (k, err[-3000:])
     done = check_finals(tmp_path, job, err)
-    assert sorted(done) == ["w0", "w1", "w2", "w4"]
+    assert sorted(done) == ["w0", "w1", "w13", "w2"]
     for w in ("w0", "w1", "w2"):
-        assert [r[:2] for r in lines(tmp_path, "resets", w)] == [["1", "3"], ["2", "4"]], w
-    print(f"2x2: from kill -9 of a remote rank to the survivors' next step: "
-          f"{first_step_after(tmp_path, 0) - killed_at:.2f} s")
+        assert [r[:2] for r in lines(tmp_path, "resets", w)] == \
+            [[str(g), str(3 + (g + 1) % 2)] for g in range(1, 21)], w
+    print("2x2: from each kill -9 of a remote rank to the survivors' next step: " +
+          ", ".join(f"{t:.2f}" for t in took) + " s")
 
 
 def test_a_host_cut_off_for_good_its_ranks_are_evicted_and_the_others_go_on(
