@@ -6,7 +6,8 @@ result (the least squares of elastic_train.py) and a count of traces.
              elastic callbacks (commits at epoch ends).
 Per worker into OUTDIR: pid.<w>, steps.<w> (``<generation> <rank> <size> <step> <time>``),
 resets.<w> (``<generation> <size> <pid>``), traces.<w> (one line per trace of the step),
-final.<w>.npy, and for fit epochs.<w> (the epochs it trained).
+final.<w>.npy, and final_step.<w> (tape: the steps trained) or epochs.<w> (fit: the
+epochs it trained).
 """
 import argparse
 import os
@@ -27,8 +28,8 @@ def main():
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--commit-every", type=int, default=3)
     p.add_argument("--sleep", type=float, default=0.05)
-    p.add_argument("--until-file", help="fit: every rank stops at the first epoch's end after "
-                                        "it exists")
+    p.add_argument("--until-file", help="every rank stops at the first step (tape) or epoch's "
+                                        "end (fit) after it exists")
     p.add_argument("--no-join", action="store_true",
                    help="a worker started to join ends at once (spares the TensorFlow import)")
     args = p.parse_args()
@@ -59,6 +60,10 @@ def main():
         part = slice(hvd.rank() * GLOBAL // hvd.size(), (hvd.rank() + 1) * GLOBAL // hvd.size())
         return x[part], y[part]
 
+    def stop_now():  # (every rank stops at the same step)
+        seen = np.array([float(bool(args.until_file) and os.path.exists(args.until_file))])
+        return core.allreduce(seen, op=core.Max, name="until")[0]
+
     def logged(step):
         traces.write(f"step {in_process.generation()}\n")
         log.write(f"{in_process.generation()} {hvd.rank()} {hvd.size()} {step} "
@@ -88,9 +93,13 @@ def main():
                 time.sleep(args.sleep)
                 if state.step % args.commit_every == 0:
                     state.commit()
+                if args.until_file and stop_now():
+                    break
         state.register_reset_callbacks([on_reset])
         train(state)
         final = w.numpy()
+        with open(out("final_step"), "w") as f:
+            f.write(str(state.step))
     else:
         class Traced(keras.layers.Layer):
             def call(self, t):
@@ -112,8 +121,7 @@ def main():
 
         class Until(keras.callbacks.Callback):  # (every rank stops at the same epoch's end)
             def on_epoch_end(self, epoch, logs=None):
-                seen = np.array([float(bool(args.until_file) and os.path.exists(args.until_file))])
-                if core.allreduce(seen, op=core.Max, name="until")[0]:
+                if stop_now():
                     self.model.stop_training = True
 
         callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
