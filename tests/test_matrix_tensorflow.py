@@ -60,12 +60,15 @@ BUCKET_RUNS = {
 }
 ONE_HOST = ("the_run_has_the_bucketing or tape_buckets_average_like_numpy "
             "or exchange_lane_where_the_driver")
+# The cap and the layout across hosts change how variables fall into buckets, not how a
+# dtype is reduced (every float dtype runs at np 2 on one host, and under --gloo at 1+1).
+FLOAT32_ONLY = "not float16 and not float64"
 
 
 @pytest.mark.parametrize("run", sorted(BUCKET_RUNS))
 def test_gradient_buckets(run):
     np_, env, expect = BUCKET_RUNS[run]
-    args = [] if expect else ["-k", ONE_HOST]
+    args = ["-k", FLOAT32_ONLY] if expect else ["-k", ONE_HOST]
     lane = "HOROLITE_TEST_HOST_IDENTITY" in env  # `auto`: the exchange lane across hosts
     run_pytest_file(BUCKETS, np_, env=dict(QUIET, HOROLITE_TEST_EXPECT_BUCKETS=str(int(expect)),
                                            HOROLITE_TEST_EXPECT_LANE=str(int(lane)), **env),
