@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 from ..core.mpi_library import MPI
@@ -99,6 +99,7 @@ class FailureChannel:
         self.heard: Optional[Notice] = None
         self._next_look = 0.0  # see check
         self.sent: Optional[Notice] = None
+        self.unconfirmed: List[int] = []  # peers that neither confirmed nor crossed its notice
         self.gone: set = set()  # ranks a notice (sent or heard) says are gone: never sent to
         self._said_ended = False
         self._lock = threading.Lock()
@@ -166,16 +167,45 @@ class FailureChannel:
         data = np.frombuffer(self.sent.encode(), dtype=np.uint8)
         peers = self._reachable_peers()
         acks = np.zeros(len(peers), dtype=np.uint8)
-        requests = [self.comm.Irecv(acks[i:i + 1], source=q, tag=_ACK_TAG)
-                    for i, q in enumerate(peers)]
-        requests += [self.comm.Isend(data, dest=q, tag=_TAG) for q in peers]
-        _wait_until(requests, time.monotonic() + ACK_SECONDS)
+        confirmed = [self.comm.Irecv(acks[i:i + 1], source=q, tag=_ACK_TAG)
+                     for i, q in enumerate(peers)]
+        sends = [self.comm.Isend(data, dest=q, tag=_TAG) for q in peers]
+        self._await_confirmations(peers, confirmed)
+        _wait_until(sends, time.monotonic() + 0.5)
         # Every peer has reported it: they may end now (await_release). Until then one
         # ending early would make mpirun kill the others before they had said why.
         release = [self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=q, tag=_RELEASE_TAG)
                    for q in peers]
         _wait_until(release, time.monotonic() + 0.5)
         return True
+
+    def _await_confirmations(self, peers, confirmed) -> None:
+        """Until each peer confirmed this rank's notice, or sent one of its own at the same
+        moment (two survivors that found the same stall: each waits for the other's
+        confirmation, and neither gives one, so each takes the other's notice for it), or
+        ACK_SECONDS passed."""
+        boxes = np.zeros((len(peers), NOTICE_BYTES), dtype=np.uint8)
+        crossing = [self.comm.Irecv(boxes[i], source=q, tag=_TAG) for i, q in enumerate(peers)]
+        deadline, pending = time.monotonic() + ACK_SECONDS, set(range(len(peers)))
+        try:
+            while pending and time.monotonic() < deadline:
+                with self._lock:  # (the first notice lands in the receive posted at
+                    if self.request is not None and _test(self.request, self.status):
+                        self.request = None  # start: it crossed this one, not heard first)
+                        pending -= {i for i, q in enumerate(peers)
+                                    if q == self.status.Get_source()}
+                pending -= {i for i in pending if _test(confirmed[i]) or _test(crossing[i])}
+                if pending:
+                    time.sleep(0.002)
+        finally:
+            for request in crossing + confirmed:
+                if request:
+                    try:
+                        request.Cancel()
+                        request.Wait()
+                    except (MPI.Exception, LinkLost):
+                        pass
+        self.unconfirmed = [peers[i] for i in sorted(pending)]
 
     def announce_gone(self, origin: int, text: str) -> bool:
         """This rank found `origin` gone (its connection closed): tell every other rank,
@@ -258,6 +288,14 @@ class FailureChannel:
         """Every other rank but those no send may reach (`unsafe`, `gone`)."""
         unsafe = self.unsafe() | self.gone
         return [q for q in range(self.size) if q != self.rank and q not in unsafe]
+
+
+def _test(request, status=None) -> bool:
+    """Whether `request` completed (a request failed by a lost connection counts)."""
+    try:
+        return bool(request.Test(status) if status is not None else request.Test())
+    except LinkLost:
+        return True
 
 
 def _wait_until(requests, deadline: float) -> bool:
