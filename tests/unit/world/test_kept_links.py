@@ -1,7 +1,6 @@
 """Connections kept between two generations of an elastic world: ranks as threads of
 this process, each with its own parked links, joined by socket pairs."""
 import socket
-import threading
 import time
 
 import pytest
@@ -12,6 +11,7 @@ from horolite.world import kept_links
 from horolite.world.sockets import generation_key
 from horolite.world.sockets_comm import Comm
 from horolite.world.sockets_mesh import Mesh
+from test_sockets_comm import in_threads
 
 KEY = b"k" * 32
 
@@ -22,23 +22,6 @@ def first_world(names):
     return [Mesh(r, n, {q: pairs[min(r, q), max(r, q)][0 if r < q else 1]
                         for q in range(n) if q != r}, lambda q: f"rank {q}")
             for r in range(n)]
-
-
-def on_threads(fns):
-    results, errors = [None] * len(fns), []
-
-    def run(i):
-        try:
-            results[i] = fns[i]()
-        except BaseException as e:  # noqa: B902 (reported below)
-            errors.append((i, e))
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results, errors
 
 
 def next_world(meshes, names, order, generation=1, keys=None):
@@ -59,7 +42,7 @@ def next_world(meshes, names, order, generation=1, keys=None):
                                   time.monotonic() + 5, lambda q: f"rank {q}")
         kept[me].drop_all()
         return Mesh(rank, len(order), socks, lambda q: f"rank {q}")
-    return on_threads([lambda r=r: form(r) for r in range(len(order))])
+    return in_threads([lambda r=r: form(r) for r in range(len(order))])
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -81,7 +64,7 @@ def test_survivors_keep_their_connections_and_nothing_old_crosses(n):
         r = c.Get_rank()
         c.send(("new", order[r]), dest=(r + 1) % n, tag=7)
         return c.recv(source=(r - 1) % n, tag=7), c.allgather(order[r])
-    got, errors = on_threads([lambda c=c: step(c) for c in comms])
+    got, errors = in_threads([lambda c=c: step(c) for c in comms])
     assert not errors, errors
     for r, (msg, gathered) in enumerate(got):
         assert msg == ("new", order[(r - 1) % n])
