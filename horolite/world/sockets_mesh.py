@@ -7,10 +7,6 @@ a message meets a posted receive in posting order, or waits in a queue for one, 
 MPI's matching does (per communicator context, source and tag, never overtaking).
 Large messages land straight in the posted receive's buffer. A connection that
 closes fails the receives waiting on it with LinkLost naming the peer.
-
-Between two generations of an elastic job a connection may be kept (kept_links.py):
-each side ends its messages of the old world with a FENCE, and the reader stops there,
-so nothing of an older world is ever read into a newer one.
 """
 from __future__ import annotations
 
@@ -19,7 +15,6 @@ import logging
 import socket
 import struct
 import threading
-import time
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from ..failure.links import LinkLost
@@ -31,7 +26,6 @@ _log = logging.getLogger("horolite.world")
 ANY_SOURCE = -1
 HEADER = struct.Struct("<Qqq")  # communicator context, tag, payload bytes
 MAX_MESSAGE = 1 << 40
-FENCE = (1 << 64) - 1  # (a context no communicator has: "nothing more of this world")
 
 
 class Status:
@@ -196,8 +190,6 @@ class Mesh:
         self.lost: Dict[int, LinkLost] = {}
         self._closing = False
         self._readers = []
-        self._fenced: set = set()  # peers whose FENCE was read: they left this world
-        self._reader_ended = {q: threading.Event() for q in self._socks}
         for q, sock in self._socks.items():
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -224,8 +216,6 @@ class Mesh:
             return
         if dest in self.lost:
             raise self.lost[dest]
-        if self._closing:
-            raise LinkLost(f"rank {self.rank} left this world", [dest])
         sock = self._socks.get(dest)
         if sock is None:
             raise ValueError(f"rank {self.rank} has no connection to rank {dest}")
@@ -299,26 +289,22 @@ class Mesh:
         header = bytearray(HEADER.size)
         try:
             while True:
-                if not read_into(sock, memoryview(header)):
+                if not _read_into(sock, memoryview(header)):
                     raise ConnectionResetError("closed by the peer")
                 context, tag, n = HEADER.unpack(header)
-                if context == FENCE and n == 0:
-                    self._fenced.add(q)
-                    self._lose(q, "it left for the next generation of the world")
-                    return
                 if not 0 <= n <= MAX_MESSAGE:
                     raise ValueError(f"a garbled header ({n} bytes)")
                 with self._lock:
                     req = self._claim(context, q, tag)
                 if req is not None and req.view is not None and n <= len(req.view):
-                    if n and not read_into(sock, req.view[:n]):
+                    if n and not _read_into(sock, req.view[:n]):
                         raise ConnectionResetError("closed by the peer inside a message")
                     with self._lock:
                         req.source, req.count, req.done = q, n, True
                         self._bump()
                     continue
                 data = bytearray(n)
-                if n and not read_into(sock, memoryview(data)):
+                if n and not _read_into(sock, memoryview(data)):
                     raise ConnectionResetError("closed by the peer inside a message")
                 with self._lock:  # (kept as read: no second copy)
                     if req is None:
@@ -331,8 +317,6 @@ class Mesh:
         except (OSError, ValueError) as e:
             if not self._closing:
                 self._lose(q, str(e) or type(e).__name__)
-        finally:
-            self._reader_ended[q].set()
 
     def _lose(self, q: int, why: str) -> LinkLost:
         with self._lock:
@@ -347,45 +331,17 @@ class Mesh:
         _log.debug("rank %d: %s", self.rank, error)
         return error
 
-    def park(self) -> Dict[int, Tuple[socket.socket, Callable[[float], bool]]]:
-        """Leave this world, keeping the connections still open: {peer: (socket,
-        fenced(deadline))}, where fenced says, once the peer's FENCE was read (waiting
-        until `deadline`, time.monotonic()), that the socket is ready for a next world.
-        The others are closed."""
-        self._closing = True
-        kept = {}
-        for q, sock in self._socks.items():
-            if q in self.lost and q not in self._fenced:
-                close_socket(sock)
-                continue
-            try:
-                with self._send_locks[q]:
-                    sock.sendall(HEADER.pack(FENCE, 0, 0))
-            except OSError:
-                close_socket(sock)
-                continue
-
-            def fenced(deadline: float, q=q) -> bool:
-                self._reader_ended[q].wait(max(0.0, deadline - time.monotonic()))
-                return q in self._fenced
-            kept[q] = (sock, fenced)
-        return kept
-
     def close(self) -> None:
         self._closing = True
         for sock in self._socks.values():
-            close_socket(sock)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
 
 
-def close_socket(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
-
-
-def read_into(sock: socket.socket, view: memoryview) -> bool:
+def _read_into(sock: socket.socket, view: memoryview) -> bool:
     """Fill `view` from `sock`; False when the peer closed first."""
     got = 0
     while got < len(view):
