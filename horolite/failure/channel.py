@@ -192,9 +192,19 @@ class FailureChannel:
                 with self._lock:  # (the first notice lands in the receive posted at
                     if self.request is not None and _test(self.request, self.status):
                         self.request = None  # start: it crossed this one, not heard first)
-                        pending -= {i for i, q in enumerate(peers)
-                                    if q == self.status.Get_source()}
-                pending -= {i for i in pending if _test(confirmed[i]) or _test(crossing[i])}
+                        first = self.status.Get_source()
+                        self._crossed(first, self._inbox)
+                        pending -= {i for i, q in enumerate(peers) if q == first}
+                for i in list(pending):
+                    try:
+                        crossed = bool(crossing[i].Test())
+                    except LinkLost:  # (that peer is gone: nothing more comes from it)
+                        pending.discard(i)
+                        continue
+                    if crossed:
+                        self._crossed(peers[i], boxes[i])
+                    if crossed or _test(confirmed[i]):
+                        pending.discard(i)
                 if pending:
                     time.sleep(0.002)
         finally:
@@ -206,6 +216,12 @@ class FailureChannel:
                     except (MPI.Exception, LinkLost):
                         pass
         self.unconfirmed = [peers[i] for i in sorted(pending)]
+
+    def _crossed(self, rank: int, raw) -> None:
+        """A peer's notice that crossed this rank's: the rank it names as gone is gone."""
+        origin = Notice.decode(rank, raw.tobytes()).origin
+        if origin >= 0:
+            self.gone.add(origin)
 
     def announce_gone(self, origin: int, text: str) -> bool:
         """This rank found `origin` gone (its connection closed): tell every other rank,
