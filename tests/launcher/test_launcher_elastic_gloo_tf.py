@@ -24,6 +24,17 @@ def trace_count(outdir, worker):
     return sum(1 for line in lines(outdir, "traces", worker) if line[0] == "trace")
 
 
+def traces_after_both_sizes(outdir, worker):
+    size_of = {s[0]: s[2] for s in lines(outdir, "steps", worker)}
+    sizes, late = set(), 0
+    for line in lines(outdir, "traces", worker):
+        if line[0] == "step":
+            sizes.add(size_of.get(line[1]))
+        elif len(sizes) >= 2:
+            late += 1
+    return late
+
+
 def ten_kills(start, tmp_path, *args):
     """kill -9 of the rank k % 3 at the k-th of ten times, each once the world is whole
     again (the worker started in the freed slot joined); then every rank stops. Returns
@@ -85,13 +96,3 @@ def test_keras_fit_with_the_elastic_callbacks_goes_on_in_process_ten_kills_in_a_
         # has stepped at both sizes, never again.
         assert traces_after_both_sizes(tmp_path, w_) == 0, w_
 
-
-def traces_after_both_sizes(outdir, worker):
-    size_of = {s[0]: s[2] for s in lines(outdir, "steps", worker)}
-    sizes, late = set(), 0
-    for line in lines(outdir, "traces", worker):
-        if line[0] == "step":
-            sizes.add(size_of.get(line[1]))
-        elif len(sizes) >= 2:
-            late += 1
-    return late

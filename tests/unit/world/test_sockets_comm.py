@@ -24,26 +24,20 @@ def make_world(n):
     return [Comm(m, list(range(n)), 1) for m in meshes]
 
 
-def in_threads(fns):
-    """Each of `fns` on a thread of its own (a rank): their results and errors."""
-    results, errors = [None] * len(fns), []
+def on_every_rank(comms, fn):
+    results, errors = [None] * len(comms), []
 
-    def run(i):
+    def run(r):
         try:
-            results[i] = fns[i]()
-        except BaseException as e:  # noqa: B902 (reported by the caller)
-            errors.append((i, e))
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+            results[r] = fn(comms[r])
+        except BaseException as e:  # noqa: B902 (reported below)
+            errors.append((r, e))
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(comms))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads), "a rank hung"
-    return results, errors
-
-
-def on_every_rank(comms, fn):
-    results, errors = in_threads([lambda c=c: fn(c) for c in comms])
     assert not errors, errors
     return results
 
