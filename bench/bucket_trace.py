@@ -12,11 +12,18 @@ trained three ways, each on a fresh model in this process:
 
 for Keras ``fit`` and for a ``tf.function`` tape step. It prints the first step (trace,
 instantiation and the first negotiation included; the slowest rank's) and the median of
-the later steps, and the ratios the issue sets targets for: buckets over one request,
-either over plain, and later steps buckets over one request.
+the later steps, timed once every way is traced, in rotating blocks of all six, so that
+the machine's drift lands on every way alike. The ratios are the issue's targets: buckets
+over one request, either over plain, and later steps buckets over one request (the
+median of the blocks' ratios).
 
     horolite-run -np 2 python bench/bucket_trace.py                 # 300 variables
     horolite-run -np 2 python bench/bucket_trace.py --variables 1000
+    horolite-run -np 2 python bench/bucket_trace.py --model resnet50   # keras.applications
+
+With ``--model resnet50`` the model is ``keras.applications.ResNet50(weights=None)`` on
+64 x 64 images (batch 8, 10 classes): its 161 trainable variables and 94 MB of gradients
+in the layer shapes of the real thing, at a size two cores can step.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ sys.path.insert(0, HERE)
 from common import Target, finish, parser, polite_barrier  # noqa: E402
 
 WIDTH, BATCH = 64, 64
+IMAGE, IMAGE_BATCH, CLASSES = 64, 8, 10
 MODES = ("plain", "one", "buckets")
 
 
@@ -37,7 +45,11 @@ def arguments():
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--variables", type=int, default=300,
                    help="trainable variables of the model (two per Dense layer; default 300)")
-    p.add_argument("--steps", type=int, default=20, help="later steps timed per way (default 20)")
+    p.add_argument("--model", choices=("dense", "resnet50"), default="dense",
+                   help="dense: Dense(64) layers (--variables); resnet50: keras.applications")
+    p.add_argument("--steps", type=int, default=40, help="later steps timed per way (default 40)")
+    p.add_argument("--blocks", type=int, default=4,
+                   help="rotating blocks the later steps are timed in (default 4)")
     p.add_argument("--pretend-hosts", default="1+1",
                    help="HOROLITE_TEST_HOST_IDENTITY for the ranks (default 1+1: buckets on as "
                         "across hosts); '' to leave the topology alone")
@@ -67,20 +79,28 @@ def main():
     rank = hvd.rank()
     layers = max(1, args.variables // 2)
     rng = np.random.RandomState(rank)
-    x = rng.normal(size=(BATCH, WIDTH)).astype(np.float32)
-    y = rng.normal(size=(BATCH, WIDTH)).astype(np.float32)
+    dense_data = (rng.normal(size=(BATCH, WIDTH)).astype(np.float32),
+                  rng.normal(size=(BATCH, WIDTH)).astype(np.float32))
+    image_data = (rng.normal(size=(IMAGE_BATCH, IMAGE, IMAGE, 3)).astype(np.float32),
+                  np.eye(CLASSES, dtype=np.float32)[rng.randint(0, CLASSES, IMAGE_BATCH)])
+    resnet = args.model == "resnet50"
 
     def model(n):
+        """n Dense layers, or (n None) the ResNet-50; with the data it trains on."""
         keras.utils.set_random_seed(1)
+        if n is None:
+            return keras.applications.ResNet50(weights=None, input_shape=(IMAGE, IMAGE, 3),
+                                               classes=CLASSES), image_data
         return keras.Sequential([keras.Input((WIDTH,))] +
-                                [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(n)])
+                                [keras.layers.Dense(WIDTH, activation="tanh")
+                                 for _ in range(n)]), dense_data
 
     def slowest(seconds: float) -> float:
         return comm.allreduce(seconds, op=MPI.MAX)
 
     def fit_way(mode, n):
-        """(first step's seconds, the later steps' median seconds) of Keras fit."""
-        m = model(n)
+        """(first step's seconds, a function timing k later steps: their median) of fit."""
+        m, (x, y) = model(n)
         opt = keras.optimizers.Adam(1e-3)
         if mode != "plain":
             opt = hvd_keras.DistributedOptimizer(opt, num_groups=1 if mode == "one" else None)
@@ -92,18 +112,21 @@ def main():
                 times.append(time.perf_counter())
         polite_barrier(comm)
         t0 = time.perf_counter()
-        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        m.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
         first = slowest(time.perf_counter() - t0)
-        polite_barrier(comm)
         data = tf.data.Dataset.from_tensors((x, y)).repeat()
-        m.fit(data, steps_per_epoch=args.steps + 1, epochs=1, shuffle=False, verbose=0,
-              callbacks=[Clock()])
-        later = float(np.median(np.diff(times)))  # steps after the first of this fit
-        return first, slowest(later)
+
+        def later(k):
+            times.clear()
+            polite_barrier(comm)
+            m.fit(data, steps_per_epoch=k + 1, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[Clock()])
+            return slowest(float(np.median(np.diff(times))))  # (steps after fit's first)
+        return first, later
 
     def tape_way(mode, n):
         """The same for a tf.function step with GradientTape and Adam."""
-        m = model(n)
+        m, (x, y) = model(n)
         opt = keras.optimizers.Adam(1e-3)
         xs, ys = tf.constant(x), tf.constant(y)
 
@@ -120,34 +143,52 @@ def main():
         t0 = time.perf_counter()
         step().numpy()
         first = slowest(time.perf_counter() - t0)
-        later = []
-        for _ in range(args.steps):
-            polite_barrier(comm)
-            t0 = time.perf_counter()
-            step().numpy()
-            later.append(slowest(time.perf_counter() - t0))
-        return first, float(np.median(later))
+
+        def later(k):
+            steps = []
+            for _ in range(k):
+                polite_barrier(comm)
+                t0 = time.perf_counter()
+                step().numpy()
+                steps.append(slowest(time.perf_counter() - t0))
+            return float(np.median(steps))
+        return first, later
 
     for way in (fit_way, tape_way) if not args.tiny else ():  # one-time costs first
         for mode in MODES:
-            way(mode, 2)
-    sizes = [WIDTH * WIDTH * 4, WIDTH * 4] * layers
+            way(mode, 2)[1](1)
+    if resnet:
+        layers = None
+    sizes = [4 * int(np.prod(v.shape)) for v in model(layers)[0].trainable_variables]
     requests = len(buckets.plan(sizes, buckets.bucket_cap_bytes()))
-    results, rows = {}, []
+    results, rows, timers = {}, [], {}
     for how, way in (("fit", fit_way), ("tape", tape_way)):
         for mode in MODES:
-            first, later = way(mode, layers)
-            results[f"{how}_{mode}"] = {"first_s": first, "later_s": later}
-            rows.append([how, mode, f"{first:.2f}", f"{1e3 * later:.1f}"])
+            first, timers[how, mode] = way(mode, layers)
+            results[f"{how}_{mode}"] = {"first_s": first}
             if rank == 0:
-                print(f"[bucket_trace] {how} {mode}: first step {first:.2f} s, later "
-                      f"{1e3 * later:.1f} ms", flush=True)
+                print(f"[bucket_trace] {how} {mode}: first step {first:.2f} s", flush=True)
+    # The later steps in rotating blocks of every way, so that the machine's drift over
+    # the run lands on every way alike; each ratio is the median of its blocks' ratios.
+    blocks = 1 if args.tiny else max(1, args.blocks)
+    per_block = max(2, args.steps // blocks)
+    samples = {key: [] for key in timers}
+    for b in range(blocks):
+        for how in ("fit", "tape"):
+            for mode in MODES[b % 3:] + MODES[:b % 3]:
+                samples[how, mode].append(timers[how, mode](per_block))
+    for (how, mode), got in samples.items():
+        results[f"{how}_{mode}"]["later_s"] = later = float(np.median(got))
+        results[f"{how}_{mode}"]["later_blocks_s"] = got
+        rows.append([how, mode, f"{results[f'{how}_{mode}']['first_s']:.2f}",
+                     f"{1e3 * later:.1f}"])
     targets = []
     for how in ("fit", "tape"):
         b, o, p = (results[f"{how}_{m}"] for m in ("buckets", "one", "plain"))
         ratios = {"first_buckets_over_one": b["first_s"] / o["first_s"],
                   "first_either_over_plain": max(b["first_s"], o["first_s"]) / p["first_s"],
-                  "later_buckets_over_one": b["later_s"] / o["later_s"]}
+                  "later_buckets_over_one": float(np.median(
+                      [x / y for x, y in zip(b["later_blocks_s"], o["later_blocks_s"])]))}
         results[f"{how}_ratios"] = ratios
         targets += [
             Target(f"{how}: first step, buckets over num_groups=1", ratios["first_buckets_over_one"],
@@ -159,9 +200,12 @@ def main():
                    ratios["later_buckets_over_one"], 1.05, "x", False,
                    "one background cycle per bucket, with no overlap on one host"),
         ]
-    payload = {"variables": 2 * layers, "layers": layers, "width": WIDTH, "batch": BATCH,
+    payload = {"model": args.model, "variables": len(sizes), "layers": layers,
+               "width": None if resnet else WIDTH, "batch": IMAGE_BATCH if resnet else BATCH,
                "requests_per_step_with_buckets": requests, "results": results}
-    finish(comm, args, "bucket_trace", payload, ["how", "way", "first step (s)", "later step (ms)"],
+    name = ("bucket_trace_resnet50" if resnet else
+            "bucket_trace" if args.tiny or len(sizes) == 300 else f"bucket_trace_{len(sizes)}")
+    finish(comm, args, name, payload, ["how", "way", "first step (s)", "later step (ms)"],
            rows, targets)
 
 
