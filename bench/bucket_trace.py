@@ -22,7 +22,7 @@ median of the blocks' ratios).
     horolite-run -np 2 python bench/bucket_trace.py --model resnet50   # keras.applications
 
 With ``--model resnet50`` the model is ``keras.applications.ResNet50(weights=None)`` on
-64 x 64 images (batch 8, 10 classes): its 161 trainable variables and 94 MB of gradients
+64 x 64 images (batch 8, 10 classes): its 214 trainable variables and 94 MB of gradients
 in the layer shapes of the real thing, at a size two cores can step.
 """
 from __future__ import annotations
