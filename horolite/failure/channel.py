@@ -154,7 +154,10 @@ class FailureChannel:
     def acknowledge(self) -> None:
         """Tell the rank whose notice arrived that this rank has it (and has reported it)."""
         if self.heard is not None and not self.silent() and self.heard.rank not in self.unsafe():
-            self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=self.heard.rank, tag=_ACK_TAG)
+            try:
+                self.comm.Isend(np.zeros(1, dtype=np.uint8), dest=self.heard.rank, tag=_ACK_TAG)
+            except LinkLost:  # (the teller has left since: in an elastic job, to re-form)
+                pass
 
     def announce(self, text: str) -> bool:
         """Send this rank's notice to every other rank, once, and wait up to ACK_SECONDS

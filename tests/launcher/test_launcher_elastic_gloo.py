@@ -8,6 +8,7 @@ multi-host cases are in tests/multihost/test_multihost_elastic_gloo.py.
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -45,7 +46,14 @@ def until(predicate, proc, what, seconds=90):
         assert proc.poll() is None, f"the job ended early:\n{proc.stderr.read()[-4000:]}"
         if time.monotonic() >= deadline:
             proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=30)
+            try:
+                _, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired as e:
+                proc.kill()
+                err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) \
+                    else (e.stderr or "")
+                err += \
+                    "\n(the job did not end within 30 s of a SIGINT: killed)"
             raise AssertionError(f"{what} did not happen within {seconds} s:\n{err[-6000:]}")
         time.sleep(0.02)
 

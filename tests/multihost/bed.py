@@ -122,6 +122,22 @@ class Host:
         return found
 
 
+class HostProcess(subprocess.Popen):
+    """A command started in a host's namespaces. nsenter forks it and only waits: a signal
+    sent here also goes to the command itself (a SIGINT reaches horolite-run's own
+    handler), not only to nsenter."""
+
+    def send_signal(self, sig: int) -> None:
+        inner = _first_child(self.pid)
+        if inner:
+            try:
+                os.kill(inner, sig)
+            except ProcessLookupError:
+                pass
+        if sig != signal.SIGINT or not inner:  # (nsenter ends when its command does)
+            super().send_signal(sig)
+
+
 class Bed:
     """``hosts`` simulated hosts named hl-a, hl-b, ... at 198.18.0.11, .12, ..."""
 
@@ -241,7 +257,7 @@ class Bed:
 
     def popen(self, host, argv: Sequence[str], **kw) -> subprocess.Popen:
         host = host if isinstance(host, Host) else self.host(host)
-        return subprocess.Popen(host.nsenter() + ["--wd=" + os.getcwd(), *argv], **kw)
+        return HostProcess(host.nsenter() + ["--wd=" + os.getcwd(), *argv], **kw)
 
     def run(self, argv: Sequence[str], host=0, timeout: float = 300,
             env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
@@ -285,6 +301,22 @@ class Bed:
         """Processes left on each host besides its sshd and the ones ssh sessions need."""
         return {h.name: h.pids() for h in self.hosts if h.pids()}
 
+    def describe_leftovers(self) -> Dict[str, List[str]]:
+        """``leftovers()`` with each process's command line, for a failure message."""
+        return {host: [f"{pid} {_command_line(pid)}" for pid in pids]
+                for host, pids in self.leftovers().items()}
+
+    def kill_leftovers(self) -> None:
+        for pids in self.leftovers().values():
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        while self.leftovers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def close(self) -> None:
         for host in self.hosts:
             _kill(host.process)
@@ -295,6 +327,14 @@ class Bed:
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = ""
+
+
+def _command_line(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return "(gone)"
 
 
 def _kill(process: subprocess.Popen) -> None:

@@ -29,11 +29,20 @@ def bed():
         b.close()
 
 
-@pytest.fixture
-def no_leftovers(bed):
-    """After the test, no process of the job is left on any host."""
+@pytest.fixture(autouse=True)
+def no_leftovers(request):
+    """After every test on the bed, no process of its job is left on any host. What is left
+    is named (with its command line) against the test that left it, then killed, so that
+    the next test is judged on its own processes."""
+    if "bed" not in request.fixturenames:
+        yield
+        return
+    bed = request.getfixturevalue("bed")
     yield
     deadline = time.monotonic() + 10
     while bed.leftovers() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not bed.leftovers(), f"processes left on hosts: {bed.leftovers()}"
+    left = bed.describe_leftovers()
+    if left:
+        bed.kill_leftovers()
+    assert not left, f"processes left on hosts: {left}"

@@ -28,7 +28,7 @@ CASES = [("2x1", {}), ("2x2", {}),
 
 @pytest.mark.parametrize("layout, env", CASES, ids=lambda c: c if isinstance(c, str) else
                          ",".join(f"{k}={v}" for k, v in c.items()) or "auto")
-def test_collectives_and_topology_across_hosts(bed, no_leftovers, layout, env):
+def test_collectives_and_topology_across_hosts(bed, layout, env):
     args = [TOPOLOGY]
     if layout in ("2x2", "3x2", "1-2-1") and not env:
         args.append(SMALL)
@@ -45,7 +45,7 @@ RING_PIECES = os.path.join(ROOT, "tests", "parallel", "test_ring_pieces.py")
 
 
 @pytest.mark.parametrize("layout", ["2x2", "1-2-1"])
-def test_pipelined_ring_and_hierarchical_across_hosts(bed, no_leftovers, layout):
+def test_pipelined_ring_and_hierarchical_across_hosts(bed, layout):
     """The ring (on 1/2/1: three hosts) and the hierarchical pipeline (on 2x2) with tiny
     pieces and chunks. (3x2, the hierarchical path over an odd number of hosts, runs the
     collectives above; its pieces at 6 ranks on CI's 2 cores took two minutes.)"""
@@ -55,7 +55,7 @@ def test_pipelined_ring_and_hierarchical_across_hosts(bed, no_leftovers, layout)
 STRAGGLERS = os.path.join(ROOT, "tests", "parallel", "test_stragglers.py")
 
 
-def test_stragglers_across_hosts(bed, no_leftovers):
+def test_stragglers_across_hosts(bed):
     """The straggler record through the control path that crosses hosts: a slow rank on
     the second host named with its delay, a balanced job naming nobody, a process set of
     ranks on both hosts (tests/parallel/test_stragglers.py, a 2 s window)."""
@@ -66,7 +66,7 @@ def test_stragglers_across_hosts(bed, no_leftovers):
 TCP_LINK = os.path.join(ROOT, "tests", "parallel", "test_tcp_link.py")
 
 
-def test_horolites_own_connections_across_hosts(bed, no_leftovers):
+def test_horolites_own_connections_across_hosts(bed):
     """horolite's TCP connections between real hosts (HOROLITE_CROSS_HOST_TRANSPORT=tcp), on
     the interface named (HOROLITE_TCP_IFACE, as horolite-run --network-interface sets it):
     the transport's own tests (real interfaces, a missing one, refused addresses) on 2x2.

@@ -30,7 +30,7 @@ def _pid(outdir, gen, rank):
         return f.read().strip()  # in its host's PID namespace
 
 
-def test_kill9_of_one_hosts_ranks_goes_on_with_the_survivors(bed, no_leftovers, tmp_path):
+def test_kill9_of_one_hosts_ranks_goes_on_with_the_survivors(bed, tmp_path):
     job = _start(bed, ["-H", "hl-a:1,hl-b:2,hl-c:1", "-np", 4, "--min-np", 2, sys.executable,
                        TRAIN, tmp_path, "--steps", 36, "--commit-every", 4, "--sleep", 0.1])
     with stopped_at_exit(job):
@@ -48,7 +48,7 @@ def test_kill9_of_one_hosts_ranks_goes_on_with_the_survivors(bed, no_leftovers, 
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("horolite-elastic-")]
 
 
-def test_hosts_added_and_removed_by_discovery_join_and_leave_at_a_commit(bed, no_leftovers,
+def test_hosts_added_and_removed_by_discovery_join_and_leave_at_a_commit(bed,
                                                                            tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("hl-a:1\nhl-b:1\n")

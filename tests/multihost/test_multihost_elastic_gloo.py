@@ -35,7 +35,7 @@ def _finish(job, tmp_path):
 
 
 def test_kill_9_of_a_remote_rank_ten_times_the_others_go_on_and_a_new_worker_joins_over_ssh(
-        bed, no_leftovers, tmp_path):
+        bed, tmp_path):
     job, took, victim = _job(bed, tmp_path), [], "w3"
     with stopped_at_exit(job):
         until(lambda: full_world(tmp_path, 4), job, "generation 0", 120)
@@ -64,7 +64,7 @@ def test_kill_9_of_a_remote_rank_ten_times_the_others_go_on_and_a_new_worker_joi
 
 
 def test_a_host_cut_off_ten_times_its_ranks_are_evicted_the_others_go_on_new_ones_join(
-        bed, no_leftovers, tmp_path):
+        bed, tmp_path):
     # Each time hl-b's cable is out until the survivors step without its ranks, then back
     # in: the new workers started for its slots fail over ssh while it is out (a cooldown
     # of 1-2 s each), then start and join at a commit.

@@ -36,7 +36,7 @@ def _through_outage(bed, job, ready, host, seconds, timeout):
             bed.link(host, up=True)
 
 
-def test_a_link_down_for_5_seconds_is_survived_with_right_results(bed, no_leftovers, tmp_path):
+def test_a_link_down_for_5_seconds_is_survived_with_right_results(bed, tmp_path):
     ready = str(tmp_path / "ready")
     job = bed.popen(0, [HOROLITE_RUN, "-H", "hl-a:1,hl-b:1,hl-c:1", "python", STEADY, "9", ready],
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -52,7 +52,7 @@ def test_a_link_down_for_5_seconds_is_survived_with_right_results(bed, no_leftov
 OUTAGE = float(os.environ.get("HOROLITE_TEST_OUTAGE_SECONDS", "20"))
 
 
-def test_after_an_outage_the_job_ends_quietly_and_together(bed, no_leftovers, tmp_path):
+def test_after_an_outage_the_job_ends_quietly_and_together(bed, tmp_path):
     """A link down past the stall warning: the beats each rank sent meanwhile arrive late,
     all at once. They are taken in at shutdown (heartbeat.py), so the MPI library has no
     unmatched message to complain about, and both ranks shut down within a moment."""
@@ -73,7 +73,7 @@ def test_after_an_outage_the_job_ends_quietly_and_together(bed, no_leftovers, tm
     ("hl-a:1,hl-b:1,hl-c:2", {}),
     ("hl-a:2,hl-c:2", {"HOROLITE_HIERARCHICAL_ALLREDUCE": "1"})], ids=["ring", "hierarchical"])
 def test_a_host_whose_link_stays_down_is_named_by_the_other_hosts_ranks(hosts, env, bed,
-                                                                        no_leftovers, tmp_path):
+                                                                        tmp_path):
     ready = str(tmp_path / "ready")
     job = bed.popen(0, [HOROLITE_RUN, "-H", hosts,
                         "--stall-check-warning-time-seconds", "2",
@@ -101,7 +101,7 @@ def test_a_host_whose_link_stays_down_is_named_by_the_other_hosts_ranks(hosts, e
     assert re.search(r"horolite-run: job failed: .*no word from rank 2 \(host hl-c\)", err), err
 
 
-def test_an_exception_on_another_host_is_named_on_every_rank(bed, no_leftovers, tmp_path):
+def test_an_exception_on_another_host_is_named_on_every_rank(bed, tmp_path):
     job = bed.run([HOROLITE_RUN, "-H", "hl-a:1,hl-b:2", "python", PROBE, str(tmp_path),
                    "--fail-rank", "2", "--fail-how", "raise", "--train", "30"], timeout=120)
     line = next(i for i, text in enumerate(open(PROBE), 1) if "probe failure on rank" in text)
@@ -114,7 +114,7 @@ def test_an_exception_on_another_host_is_named_on_every_rank(bed, no_leftovers, 
     assert job.returncode == 1
 
 
-def test_a_firewall_that_drops_horolites_connections_is_named_at_init(bed, no_leftovers):
+def test_a_firewall_that_drops_horolites_connections_is_named_at_init(bed):
     """hl-b drops every packet to the ports horolite's own connections may use
     (HOROLITE_TCP_PORT_RANGE): init fails within the set-up timeout on both ranks, naming
     both hosts and the address tried, instead of hanging."""

@@ -14,7 +14,7 @@ from jobs import HOROLITE_RUN, ROOT, launch, run_pytest_across, stopped_at_exit,
 GLOO_PROBE = os.path.join(ROOT, "tests", "launcher_rank", "gloo_probe.py")
 
 
-def test_gloo_over_ssh_2_hosts_x_2_ranks(bed, no_leftovers, tmp_path):
+def test_gloo_over_ssh_2_hosts_x_2_ranks(bed, tmp_path):
     out = tmp_path / "marks"
     out.mkdir()
     r = launch(bed, "hl-a:2,hl-b:2", ["python", GLOO_PROBE, str(out)], timeout=120,
@@ -42,7 +42,7 @@ def test_gloo_over_ssh_2_hosts_x_2_ranks(bed, no_leftovers, tmp_path):
         assert f"[{rank}]<stdout>:rank {rank} of 4 met 4\n" in r.stdout
 
 
-def test_gloo_mismatches_across_hosts_name_the_tensor_and_the_ranks(bed, no_leftovers):
+def test_gloo_mismatches_across_hosts_name_the_tensor_and_the_ranks(bed):
     """The error matrix (tests/parallel/test_errors.py: shapes, dtypes, ops, names, and the
     runtime working on after each) on 2 hosts x 2 ranks started without MPI."""
     run_pytest_across(bed, "hl-a:2,hl-b:2", os.path.join(ROOT, "tests", "parallel",
@@ -89,7 +89,7 @@ def _job_processes(bed, name):
     return left
 
 
-def test_gloo_kill_9_of_a_remote_rank_is_named_by_every_survivor(bed, no_leftovers, tmp_path):
+def test_gloo_kill_9_of_a_remote_rank_is_named_by_every_survivor(bed, tmp_path):
     job = _gloo(bed, ["python", LOOP, str(tmp_path), "60"])
     with stopped_at_exit(job):
         wait_for_file(job, tmp_path / "3.pid")
@@ -108,7 +108,7 @@ def test_gloo_kill_9_of_a_remote_rank_is_named_by_every_survivor(bed, no_leftove
     assert took < 15, f"{took:.1f} s from the kill to the job's end"
 
 
-def test_gloo_a_host_whose_link_goes_down_is_named_on_both_sides(bed, no_leftovers, tmp_path):
+def test_gloo_a_host_whose_link_goes_down_is_named_on_both_sides(bed, tmp_path):
     """hl-b's cable out: hl-a's ranks (and through them the launcher) name hl-b's ranks,
     and hl-b's ranks, whose output no longer reaches the launcher (its files do:
     --output-filename), name hl-a's and end on their own, all at the stall shutdown."""
@@ -145,7 +145,7 @@ def test_gloo_a_host_whose_link_goes_down_is_named_on_both_sides(bed, no_leftove
                          text), text[-3000:]
 
 
-def test_gloo_a_stopped_remote_rank_is_named_and_the_job_ends(bed, no_leftovers, tmp_path):
+def test_gloo_a_stopped_remote_rank_is_named_and_the_job_ends(bed, tmp_path):
     job = _gloo(bed, ["python", LOOP, str(tmp_path), "60"], *STALL_FLAGS)
     with stopped_at_exit(job):
         wait_for_file(job, tmp_path / "3.pid")
@@ -174,7 +174,7 @@ def test_gloo_a_stopped_remote_rank_is_named_and_the_job_ends(bed, no_leftovers,
 
 
 def test_gloo_a_rank_that_never_reaches_the_rendezvous_is_named_within_the_timeout(
-        bed, no_leftovers, tmp_path):
+        bed, tmp_path):
     """Rank 3 (on hl-b) sleeps before it starts Python: the others give up at init after
     --gloo-timeout-seconds, naming it."""
     late = f'[ "$HOROLITE_RANK" = 3 ] && sleep 60; exec python {LOOP} {tmp_path} 60'
@@ -193,7 +193,7 @@ def test_gloo_a_rank_that_never_reaches_the_rendezvous_is_named_within_the_timeo
                      r"ranks stopped as a result: ", err), err[-3000:]
 
 
-def test_gloo_strangers_on_the_rendezvous_and_data_ports_are_refused(bed, no_leftovers, tmp_path):
+def test_gloo_strangers_on_the_rendezvous_and_data_ports_are_refused(bed, tmp_path):
     """From hl-c, while the job sets up and runs: silent connections, garbage and hellos
     under a wrong key, on the rendezvous port and every port the ranks may listen on
     (HOROLITE_TCP_PORT_RANGE). None gets in; the job completes with every result right."""

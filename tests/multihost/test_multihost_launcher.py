@@ -22,7 +22,7 @@ THREE = "hl-a:1,hl-b:1,hl-c:1"
 HOSTS = ["hl-a", "hl-b", "hl-c"]
 
 
-def test_every_rank_on_every_host_has_the_launchers_environment(bed, no_leftovers, tmp_path):
+def test_every_rank_on_every_host_has_the_launchers_environment(bed, tmp_path):
     pythonpath = tmp_path / "pythonpath"
     pythonpath.mkdir()
     env = {"PROBE_PASSED": "from -x", "PROBE_GLOBAL": "not asked for",
@@ -58,7 +58,7 @@ def test_every_rank_on_every_host_has_the_launchers_environment(bed, no_leftover
         assert f"[{rank}]<stderr>:err line 0 of rank {rank}\n" in r.stderr
 
 
-def test_kill_9_of_a_remote_rank_ends_the_job_naming_rank_host_and_pid(bed, no_leftovers, tmp_path):
+def test_kill_9_of_a_remote_rank_ends_the_job_naming_rank_host_and_pid(bed, tmp_path):
     r = launch(bed, THREE, ["python", PROBE, str(tmp_path), "--fail-rank", "1", "--fail-how", "kill",
                             "--sleep", "120"], timeout=120)
     ended = time.time()
@@ -72,7 +72,7 @@ def test_kill_9_of_a_remote_rank_ends_the_job_naming_rank_host_and_pid(bed, no_l
     assert "HYDU_sock_write" not in r.stderr + r.stdout
 
 
-def test_ctrl_c_stops_every_rank_on_every_host(bed, no_leftovers, tmp_path):
+def test_ctrl_c_stops_every_rank_on_every_host(bed, tmp_path):
     job = bed.popen(0, [os.path.join(os.path.dirname(sys.executable), "horolite-run"), "-H", THREE,
                         "python", PROBE, str(tmp_path), "--sleep", "120"],
                     stdout=__import__("subprocess").PIPE, stderr=__import__("subprocess").PIPE,

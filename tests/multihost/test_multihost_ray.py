@@ -19,7 +19,7 @@ DRIVER = os.path.join(ROOT, "tests", "multihost", "ranks", "ray_driver.py")
 PORT = 6390
 
 
-def test_ray_executor_across_hosts(bed, no_leftovers, tmp_path):
+def test_ray_executor_across_hosts(bed, tmp_path):
     a, b = bed.host("hl-a"), bed.host("hl-b")
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32),
                RAY_USAGE_STATS_ENABLED="0")

@@ -40,7 +40,7 @@ def _netmod_env():
 
 
 @pytest.mark.parametrize("hierarchical", ["1", "0"], ids=["hierarchical", "flat"])
-def test_kill_9_of_a_remote_rank_never_crashes_a_survivor(hierarchical, bed, no_leftovers,
+def test_kill_9_of_a_remote_rank_never_crashes_a_survivor(hierarchical, bed,
                                                          tmp_path):
     env = dict(os.environ, HOROLITE_HIERARCHICAL_ALLREDUCE=hierarchical, PYTHONFAULTHANDLER="1",
                **_netmod_env())
@@ -67,7 +67,7 @@ def test_kill_9_of_a_remote_rank_never_crashes_a_survivor(hierarchical, bed, no_
 
 
 def test_a_killed_ranks_signal_is_named_when_its_wrapper_reports_after_the_others_ended(
-        bed, no_leftovers, tmp_path):
+        bed, tmp_path):
     """Over TCP the survivors of a kill -9 fail within milliseconds; on a busy host the
     killed rank's wrapper may not have run by then. Here it is stopped until 1.5 s after
     its rank died: the survivors' wrappers hold their end (rankwrap.py --hold) so mpiexec's
@@ -102,7 +102,7 @@ def _assert_no_shared_memory_left(out, err, run=0):
     assert not [p for p in mapped if os.path.exists(p)], f"run {run}: {err[-3000:]}"
 
 
-def test_a_host_whose_every_rank_was_killed_has_its_segment_removed_over_ssh(bed, no_leftovers,
+def test_a_host_whose_every_rank_was_killed_has_its_segment_removed_over_ssh(bed,
                                                                             tmp_path):
     """Nobody is left on hl-b to unlink its MPICH segment: horolite-run does, on hl-b,
     through ssh (launcher/shm_cleanup.py)."""

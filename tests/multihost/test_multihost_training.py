@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
 TRAINING = os.path.join(ROOT, "tests", "tensorflow", "test_tf_training.py")
 
 
-def test_training_across_hosts_equals_one_process(bed, no_leftovers):
+def test_training_across_hosts_equals_one_process(bed):
     run_pytest_across(bed, "hl-a:1,hl-b:2", TRAINING, timeout=400, pytest_args=[
         "-k", "tape_data_parallel_equivalence or legacy_optimizer_graph_equivalence "
               "or keras_fit_equivalence"])
@@ -29,7 +29,7 @@ BUCKETS = os.path.join(ROOT, "tests", "tensorflow", "test_tf_buckets.py")
 # (2 hosts x 1 rank: buckets over real links; hosts of two ranks each, where shared memory
 # and the hierarchical path carry them, run on pretend hosts 2+2 in test_matrix_tensorflow)
 @pytest.mark.parametrize("hosts", ["hl-a:1,hl-b:1"])
-def test_gradient_buckets_across_hosts(bed, no_leftovers, hosts):
+def test_gradient_buckets_across_hosts(bed, hosts):
     # Ranks on two hosts: buckets by default, each against NumPy, the overlap from the timeline.
     run_pytest_across(bed, hosts, BUCKETS, timeout=400,
                       env={"HOROLITE_TEST_EXPECT_BUCKETS": "1", "HOROLITE_TEST_EXPECT_LANE": "1",
