@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -141,10 +142,20 @@ def rank_env(slot: RankSlot, size: int, addr: str, port: int, timeout: float,
     return {name: str(value) for name, value in env.items()}
 
 
+# What describes the launching shell or host, not the job: not given to remote ranks.
+_NOT_EXPORTED = re.compile(r"BASH_FUNC_.*|OLDPWD|PWD|HOSTNAME|SHLVL|_|SSH_.*")
+
+
 def _forwarded(config: LaunchConfig, environ: Mapping[str, str]) -> Dict[str, str]:
     """The -x/--env variables, settings and paths, with this environment's values."""
     return {name: environ[name] if value is None else value for name, value in config.env
             if value is not None or name in environ}
+
+
+def _exported(environ: Mapping[str, str]) -> Dict[str, str]:
+    """The launcher's whole environment, for ranks on other hosts (a local rank inherits
+    it): as horovodrun --gloo and MPICH give it (TF_*, OMP_*, a user's own settings)."""
+    return {name: value for name, value in environ.items() if not _NOT_EXPORTED.fullmatch(name)}
 
 
 def build_plan(config: LaunchConfig, slots: Sequence[RankSlot], addresses: Mapping[str, str],
@@ -153,13 +164,14 @@ def build_plan(config: LaunchConfig, slots: Sequence[RankSlot], addresses: Mappi
     """rank_spawn.py's plan: each rank's argv and environment (secret: it holds the key)."""
     python = python or sys.executable
     wrapper = list(wrapper_argv(config, python, hold=0))
-    forwarded = _forwarded(config, environ)
+    forwarded, exported = _forwarded(config, environ), _exported(environ)
     ssh = ["ssh", "-o", "BatchMode=yes", *shlex.split(config.ssh_args)]
     ranks = []
     for slot in slots:
-        env = dict(forwarded, **rank_env(slot, len(slots), addresses[slot.host], port,
-                                         config.gloo_timeout, key))
         remote = not hostlib.is_local(slot.host)
+        env = dict(exported if remote else {}, **forwarded)
+        env.update(rank_env(slot, len(slots), addresses[slot.host], port, config.gloo_timeout,
+                            key))
         if remote:
             inner = wrapper[:-1] + ["--env-stdin", "--"] + list(config.command)
             argv = ssh + [slot.host, "exec " + shlex.join(inner)]

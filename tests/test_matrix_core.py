@@ -182,6 +182,7 @@ if r == 2:
     raise RuntimeError("bad batch")
 try:
     if r == 0:  # rank 1 never submits it: only rank 2's failure can end this wait
+        time.sleep(float(sys.argv[2]))  # (long enough: submitted after the failure is known)
         hvd.allreduce(np.ones(2), name="pending", process_set=pair)
     else:  # rank 2 never submits it
         hvd.allreduce(np.ones(2), name="never")
@@ -193,12 +194,15 @@ except Exception as e:
 """
 
 
-def test_a_failure_outside_a_process_set_fails_its_pending_collectives(tmp_path):
+@pytest.mark.parametrize("late", [0.0, 1.0], ids=["pending", "submitted-after"])
+def test_a_failure_outside_a_process_set_fails_its_pending_collectives(tmp_path, late):
+    """Whether the set's collective waits when the failure comes, or is submitted after
+    it, its error names the set, the tensor and the rank that failed."""
     import subprocess
     import sys
     from mpirun import mpirun_command
     proc = subprocess.run(mpirun_command(3) + [sys.executable, "-c", SET_FAILURE_SCRIPT,
-                                               str(tmp_path)],
+                                               str(tmp_path), str(late)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     for r in range(3):  # a rank that ends this way leaves MPI's segments behind: remove them
         listed = tmp_path / f"shm.{r}"

@@ -114,16 +114,19 @@ class SetHandle(Handle):
         super().__init__(name, transform)
         self.set_label = set_label
 
-    def _set_exception(self, exc: BaseException) -> None:
+    def labelled(self, exc: BaseException) -> BaseException:
         if self.set_label and self.set_label not in str(exc):
             try:
                 renamed = type(exc)(f"{self.set_label}: {exc}")
                 renamed.horolite_peer = getattr(exc, "horolite_peer", None)
                 renamed.__cause__ = exc.__cause__
-                exc = renamed
+                return renamed
             except Exception:  # an exception type with another constructor: keep it as is
                 pass
-        super()._set_exception(exc)
+        return exc
+
+    def _set_exception(self, exc: BaseException) -> None:
+        super()._set_exception(self.labelled(exc))
 
 
 # ---- the table, kept by basics.init/shutdown ----

@@ -82,7 +82,7 @@ class TensorQueue:
             return entry.handle
         with self._lock:
             if self._closed is not None:
-                raise _naming(self._closed, name)
+                raise entry.handle.labelled(_naming(self._closed, name))
             if name in self._inflight:
                 raise DuplicateNameError(
                     f"tensor '{name}': a collective with this name is already in flight on this "

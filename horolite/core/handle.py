@@ -109,6 +109,10 @@ class Handle:
         for handle, value in rest:
             handle._set_result(value)
 
+    def labelled(self, exc: BaseException) -> BaseException:
+        """`exc` as this handle's errors read (a process set's name its set)."""
+        return exc
+
     def _set_exception(self, exc: BaseException) -> None:
         self._finish(None, exc)
 

@@ -55,7 +55,7 @@ def main():
     mark = {"rank": rank, "size": size, "host": socket.gethostname(), "pid": os.getpid(),
             "cwd": os.getcwd(), "peers": {k: v.decode() for k, v in everyone.items()},
             "env": {k: v for k, v in env.items() if k.startswith(PREFIXES)},
-            "passed": {k: env.get(k) for k in ("PROBE_PASSED", "PROBE_SET")},
+            "passed": {k: env.get(k) for k in ("PROBE_PASSED", "PROBE_SET", "PROBE_GLOBAL")},
             "key_on_cmdline": pids_with_key_on_cmdline(env["HOROLITE_JOB_KEY"])}
     path = os.path.join(args.outdir, f"rank.{rank}")
     with open(path + ".tmp", "w") as f:

