@@ -110,7 +110,7 @@ class Cycle:
             # Quorum results decided before the others left still answer this rank's
             # submissions, now and later (a straggler finishing its steps).
             self.queue.after_close = self._answer_late
-            error = self._shutdown_error()
+            error = self._cause_behind(self._shutdown_error())
             failed = self._fail_pending(error)
             self.stragglers.finish(self.transport, self.timeline)
             first = getattr(error, "horolite_peer", None)

@@ -32,6 +32,9 @@ EXIT_GRACE_SECONDS = 3.0
 # How long a rank that lost one of horolite's connections looks for another rank's notice
 # first: a peer leaving a failed job closes its connections right after it heard one.
 LOST_NOTICE_SECONDS = 0.1
+# How long a process set's runtime, whose peer left with an error code, waits for the
+# global set to hear the failure behind it (runtime/cycle.py's shutdown).
+CAUSE_BEHIND_EXIT_SECONDS = 1.0
 # The same in an elastic job whose ranks recover in-process (horolite-run --gloo
 # --min-np): its code is expected to handle the failure, which takes a restore and a
 # shutdown() that may wait for a busy machine.
@@ -253,4 +256,17 @@ class JobEnd:
                                   "this collective completed on every rank")
         if first != self.rank:
             error.horolite_peer = first
+        error.horolite_exit_code = code if everyone[first][0] == 1 else None
         return error
+
+    def _cause_behind(self, error: ShutdownError) -> BaseException:
+        """A process set's peer that left with an error code most often failed because
+        another rank of the job did (its notice came to the global set, in its own
+        thread): that failure, once the global set has it, rather than the departure."""
+        code = getattr(error, "horolite_exit_code", None)
+        if self.leader is None or not code or getattr(error, "horolite_peer", None) is None:
+            return error
+        deadline = time.monotonic() + CAUSE_BEHIND_EXIT_SECONDS
+        while self.leader.doomed is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self.leader.doomed or error
