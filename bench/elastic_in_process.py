@@ -148,7 +148,7 @@ def main(argv=None) -> None:
         plain = statistics.median(r["step"] for r in seen[n, False])
         runs = seen[n, True]
         print(f"{n:>3} {statistics.median(r['recovery'] for r in runs):>19.2f} s "
-              f"{statistics.median(r['reform'] for r in runs):>11.2f} s "
+              f"{statistics.median(r['reform'] for r in runs):>11.3f} s "
               f"{statistics.median(r['join'] for r in runs):>9.2f} s "
               f"{statistics.median(r['step'] for r in runs) / plain:>18.2f}x")
 

@@ -285,5 +285,6 @@ def test_elastic_in_process_prints_every_figure():
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = proc.stdout.splitlines()[-1].split()
-    assert row[0] == "2" and float(row[1]) > 0 and float(row[3]) > 0, proc.stdout
+    # (re-formation: a survivor alone re-forms in well under a millisecond)
+    assert row[0] == "2" and float(row[1]) > 0 and float(row[3]) >= 0, proc.stdout
     assert float(row[5]) > 0 and row[7].endswith("x") and float(row[7][:-1]) > 0, proc.stdout
