@@ -33,7 +33,7 @@ def assert_no_processes(token, seconds=5.0):
 def test_ranks_meet_at_the_rendezvous_with_their_environment(run, tmp_path, np_):
     r = run("--gloo", "-np", np_, "--gloo-timeout-seconds", "20", "-x", "PROBE_PASSED",
             "-x", "PROBE_SET=a b", "--cycle-time-ms", "2", sys.executable, GLOO_PROBE, tmp_path,
-            env=dict(NO_MPI, PROBE_PASSED="yes"))
+            env=dict(NO_MPI, PROBE_PASSED="yes", PROBE_GLOBAL="not asked for"))
     assert r.returncode == 0, r.stderr
     found = gloo_marks(tmp_path)
     assert set(found) == set(range(np_))
@@ -52,7 +52,8 @@ def test_ranks_meet_at_the_rendezvous_with_their_environment(run, tmp_path, np_)
         assert env["HOROLITE_GLOO_TIMEOUT_SECONDS"] == "20"
         assert (env["HOROVOD_CONTROLLER"], env["HOROVOD_CPU_OPERATIONS"]) == ("gloo", "gloo")
         assert env["HOROLITE_CYCLE_TIME"] == "2"  # the setting flags as over mpirun
-        assert mark["passed"] == {"PROBE_PASSED": "yes", "PROBE_SET": "a b"}
+        assert mark["passed"] == {"PROBE_PASSED": "yes", "PROBE_SET": "a b",
+                                  "PROBE_GLOBAL": "not asked for"}
         assert mark["key_on_cmdline"] == [], "the job key is on a command line"
         assert f"[{rank}]<stdout>:rank {rank} of {np_} met {np_}\n" in r.stdout
     assert "##horolite-run##" not in r.stderr + r.stdout
