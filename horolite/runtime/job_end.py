@@ -29,16 +29,16 @@ _log = logging.getLogger("horolite")
 # Seconds a rank whose job cannot go on has to end by itself (its user code raising the
 # error) before it ends itself: a rank asleep in user code must not keep the job alive.
 EXIT_GRACE_SECONDS = 3.0
+# The same in an elastic job whose ranks recover in-process (horolite-run --gloo
+# --min-np): its code is expected to handle the failure, which takes a restore and a
+# shutdown() that may wait for a busy machine.
+IN_PROCESS_GRACE_SECONDS = 30.0
 # How long a rank that lost one of horolite's connections looks for another rank's notice
 # first: a peer leaving a failed job closes its connections right after it heard one.
 LOST_NOTICE_SECONDS = 0.1
 # How long a process set's runtime, whose peer left with an error code, waits for the
 # global set to hear the failure behind it (runtime/cycle.py's shutdown).
 CAUSE_BEHIND_EXIT_SECONDS = 1.0
-# The same in an elastic job whose ranks recover in-process (horolite-run --gloo
-# --min-np): its code is expected to handle the failure, which takes a restore and a
-# shutdown() that may wait for a busy machine.
-IN_PROCESS_GRACE_SECONDS = 30.0
 
 
 def _exit_grace() -> float:

@@ -3,7 +3,6 @@ another host (kill -9 and unreachable hosts are in test_multihost_launcher.py)."
 import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
