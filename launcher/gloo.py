@@ -169,9 +169,8 @@ def build_plan(config: LaunchConfig, slots: Sequence[RankSlot], addresses: Mappi
     ranks = []
     for slot in slots:
         remote = not hostlib.is_local(slot.host)
-        env = dict(exported if remote else {}, **forwarded)
-        env.update(rank_env(slot, len(slots), addresses[slot.host], port, config.gloo_timeout,
-                            key))
+        env = {**(exported if remote else {}), **forwarded,
+               **rank_env(slot, len(slots), addresses[slot.host], port, config.gloo_timeout, key)}
         if remote:
             inner = wrapper[:-1] + ["--env-stdin", "--"] + list(config.command)
             argv = ssh + [slot.host, "exec " + shlex.join(inner)]

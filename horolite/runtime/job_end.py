@@ -48,6 +48,14 @@ def _exit_grace() -> float:
         EXIT_GRACE_SECONDS
 
 
+def _fail_entries(entries, error: BaseException) -> None:
+    """Each entry's handle fails with `error`, naming its tensor."""
+    for entry in entries:
+        exc = type(error)(f"tensor '{entry.request.name}': {error}")
+        exc.horolite_peer = getattr(error, "horolite_peer", None)
+        entry.handle._set_exception(exc)
+
+
 class JobEnd:
     """Mixed into Runtime: uses its failures (FailureChannel), heartbeat, links, queue,
     transport, executor, rank, size, doomed, _hard_exit, _exiting, _late_lock and
@@ -118,10 +126,7 @@ class JobEnd:
         pending = self.queue.close(error)
         if self.queue.after_close is not None:
             pending = [entry for entry in pending if not self._answer_late(entry)]
-        for entry in pending:
-            exc = type(error)(f"tensor '{entry.request.name}': {error}")
-            exc.horolite_peer = getattr(error, "horolite_peer", None)
-            entry.handle._set_exception(exc)
+        _fail_entries(pending, error)
         self._unsent.clear()
         self.hits.drain()
         return len(pending)
@@ -226,10 +231,7 @@ class JobEnd:
             return
         self.doomed = error
         self._fatal = self._fatal or error
-        for entry in self.queue.close(error):
-            exc = type(error)(f"tensor '{entry.request.name}': {error}")
-            exc.horolite_peer = getattr(error, "horolite_peer", None)
-            entry.handle._set_exception(exc)
+        _fail_entries(self.queue.close(error), error)
 
     def _shutdown_error(self) -> ShutdownError:
         """Who stopped the job, and how (one small allgather: every rank agreed on the

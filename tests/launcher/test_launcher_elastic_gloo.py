@@ -52,8 +52,7 @@ def until(predicate, proc, what, seconds=90):
                 proc.kill()
                 err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) \
                     else (e.stderr or "")
-                err += \
-                    "\n(the job did not end within 30 s of a SIGINT: killed)"
+                err += "\n(the job did not end within 30 s of a SIGINT: killed)"
             raise AssertionError(f"{what} did not happen within {seconds} s:\n{err[-6000:]}")
         time.sleep(0.02)
 
