@@ -50,32 +50,40 @@ def _thread_groups() -> dict:
     return groups
 
 
+TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
+
+
 def task_times() -> dict:
-    """{tid: (cpu ns, voluntary switches)} of every thread of this process."""
+    """{tid: (cpu ns, voluntary switches, user-space ns)} of every thread of this process
+    (the user-space share in clock ticks: enough over many steps to say whether a thread's
+    time is Python's and NumPy's or the kernel's)."""
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 cpu = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                user = int(f.read().rsplit(")", 1)[1].split()[11]) * TICK_NS
             with open(f"/proc/self/task/{tid}/status") as f:
                 switches = next(int(line.split()[1]) for line in f
                                 if line.startswith("voluntary_ctxt_switches"))
         except (OSError, StopIteration, ValueError):
             continue
-        out[int(tid)] = (cpu, switches)
+        out[int(tid)] = (cpu, switches, user)
     return out
 
 
 def per_group(before: dict, after: dict, steps: int) -> dict:
-    """{group: [cpu ms per step, wake-ups per step]}; threads not from Python are
-    TensorFlow's (or MPI's own)."""
+    """{group: [cpu ms per step, wake-ups per step, user-space cpu ms per step]}; threads
+    not from Python are TensorFlow's (or MPI's own)."""
     groups = _thread_groups()
     rows = {}
-    for tid, (cpu, sw) in after.items():
-        cpu0, sw0 = before.get(tid, (0, 0))
-        row = rows.setdefault(groups.get(tid, "native (TensorFlow, MPI)"), [0.0, 0.0])
+    for tid, (cpu, sw, user) in after.items():
+        cpu0, sw0, user0 = before.get(tid, (0, 0, 0))
+        row = rows.setdefault(groups.get(tid, "native (TensorFlow, MPI)"), [0.0, 0.0, 0.0])
         row[0] += (cpu - cpu0) / 1e6 / steps
         row[1] += (sw - sw0) / steps
+        row[2] += (user - user0) / 1e6 / steps
     return rows
 
 
@@ -135,13 +143,18 @@ def worker(args) -> None:
 
 # ---- driver ----
 
+def _user_share(v) -> str:
+    return f", {100 * v[2] / v[0]:.0f}% user" if len(v) > 2 and v[0] >= 0.5 else ""
+
+
 def report(doc: dict) -> str:
     lines = ["| transport | step | rank | wall ms | CPU ms (getrusage) | CPU / wall | "
-             "per thread: CPU ms (wake-ups) per step |", "|---|---|---|---|---|---|---|"]
+             "per thread: CPU ms (wake-ups, share in user space) per step |",
+             "|---|---|---|---|---|---|---|"]
     for run in doc["runs"]:
         for rank_doc in run["ranks"]:
             for step, row in rank_doc["rows"].items():
-                threads = "; ".join(f"{g} {v[0]:.1f} ({v[1]:.0f})" for g, v in
+                threads = "; ".join(f"{g} {v[0]:.1f} ({v[1]:.0f}{_user_share(v)})" for g, v in
                                     sorted(row["threads"].items(), key=lambda kv: -kv[1][0])
                                     if v[0] >= 0.05 or v[1] >= 1)
                 lines.append(f"| {run['asked']} | {step} | {rank_doc['rank']} | "
