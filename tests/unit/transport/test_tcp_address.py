@@ -70,3 +70,16 @@ def test_this_hosts_table_is_read_with_flags():
     found = interfaces()
     assert any(i.loopback and i.addr.startswith("127.") for i in found)
     assert all(0 <= i.prefix <= 32 for i in found)
+
+
+def test_a_peer_host_without_an_ipv4_address_is_a_clear_error_not_this_host():
+    """IPv4 only (docs/multihost.md): a peer on another machine that offers no address is
+    named as such at set-up, never dialled at 127.0.0.1 (which would be this host)."""
+    import time
+    from horolite.transport import tcp
+    mine = {"addrs": [Address("eth0", "10.1.3.7", 24)]}
+    theirs = {"machine": "node2", "addrs": [], "named": [], "port": 40000}
+    with pytest.raises(tcp.SetupError, match=r"rank 0 could not connect to rank 1 \(host node2\)"
+                       r": it offers no address \(HOROLITE_TCP_IFACE\)"):
+        tcp._connect(0, 1, theirs, mine, "node1", True, 2, b"k" * 32, time.monotonic() + 1, 1.0,
+                     lambda q: "rank 0" if q == 0 else "rank 1 (host node2)")
