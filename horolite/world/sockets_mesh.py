@@ -287,8 +287,10 @@ class Mesh:
 
     def _read(self, q: int, sock: socket.socket) -> None:
         header = bytearray(HEADER.size)
+        req = None  # the receive this message was claimed for, until it is complete
         try:
             while True:
+                req = None
                 if not _read_into(sock, memoryview(header)):
                     raise ConnectionResetError("closed by the peer")
                 context, tag, n = HEADER.unpack(header)
@@ -316,7 +318,11 @@ class Mesh:
                     self._bump()
         except (OSError, ValueError) as e:
             if not self._closing:
-                self._lose(q, str(e) or type(e).__name__)
+                error = self._lose(q, str(e) or type(e).__name__)
+                if req is not None and not req.done:  # (claimed, so not among the posted
+                    with self._lock:                  # receives that _lose fails)
+                        req.error, req.done = error, True
+                        self._bump()
 
     def _lose(self, q: int, why: str) -> LinkLost:
         with self._lock:

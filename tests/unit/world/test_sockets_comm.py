@@ -9,7 +9,8 @@ import pytest
 from horolite.failure.links import LinkLost
 from horolite.world import codec
 from horolite.world.sockets_comm import BOR, COMM_NULL, IN_PLACE, LAND, MAX, UNDEFINED, Comm, Win
-from horolite.world.sockets_mesh import ANY_SOURCE, REQUEST_NULL, Mesh, Request, Status
+from horolite.world.sockets_mesh import (ANY_SOURCE, HEADER, REQUEST_NULL, Mesh, Request,
+                                         Status)
 
 
 def make_world(n):
@@ -24,20 +25,26 @@ def make_world(n):
     return [Comm(m, list(range(n)), 1) for m in meshes]
 
 
-def on_every_rank(comms, fn):
-    results, errors = [None] * len(comms), []
+def in_threads(fns):
+    """Each of `fns` on a thread of its own (a rank): their results and errors."""
+    results, errors = [None] * len(fns), []
 
-    def run(r):
+    def run(i):
         try:
-            results[r] = fn(comms[r])
-        except BaseException as e:  # noqa: B902 (reported below)
-            errors.append((r, e))
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(comms))]
+            results[i] = fns[i]()
+        except BaseException as e:  # noqa: B902 (reported by the caller)
+            errors.append((i, e))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results, errors
+
+
+def on_every_rank(comms, fn):
+    results, errors = in_threads([lambda c=c: fn(c) for c in comms])
     assert not errors, errors
     return results
 
@@ -178,6 +185,23 @@ def test_a_closed_connection_fails_waits_on_that_peer_naming_it():
         req.Wait()
     with pytest.raises(LinkLost):
         a.Irecv(np.zeros(1, dtype=np.uint8), source=1, tag=4).Wait()
+
+
+def test_a_peer_that_dies_inside_a_message_fails_the_receive_it_was_filling():
+    """The message's receive is claimed when its header arrives; the peer's end half-way
+    through the bytes fails that receive naming the peer (it waited for ever before)."""
+    ours, theirs = socket.socketpair()
+    mesh = Mesh(0, 2, {1: ours}, lambda q: f"rank {q} (host b)")
+    comm = Comm(mesh, [0, 1], 1)
+    req = comm.Irecv(np.zeros(1 << 20, dtype=np.uint8), source=1, tag=7)
+    theirs.sendall(HEADER.pack(1, 7, 1 << 20) + bytes(1000))
+    theirs.close()
+    done = threading.Event()
+    threading.Thread(target=lambda: (pytest.raises(LinkLost, req.Wait), done.set()),
+                     daemon=True).start()
+    assert done.wait(5), "the receive was never failed"
+    assert 1 in mesh.lost and "rank 1 (host b)" in str(mesh.lost[1])
+    mesh.close()
 
 
 def test_codec_refuses_code_and_garbage():
