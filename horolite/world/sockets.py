@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 from ..transport import tcp_address
 from ..transport.tcp_hello import Acceptor, HelloRefused, connect
-from . import codec
+from . import codec, generations, kept_links
 from .sockets_comm import (BAND, BOR, BYTE, COMM_NULL, COMM_TYPE_SHARED, IN_PLACE, LAND, LOR,
                            MAX, MIN, SUM, UNDEFINED, Comm, Group, Op, SocketWorldError, Win,
                            processor_name)
@@ -40,6 +40,9 @@ WORLD_CONTEXT = 1
 LINGER_SECONDS = 5.0  # how long a rank serving the rendezvous keeps it after its own timeout
 COMM_WORLD: Optional[Comm] = None
 _server = None  # the rendezvous this process serves (rank 0 of a scheduler-started job)
+_workers: Dict[int, str] = {}  # {rank: elastic worker name} of this world, and its
+_generation = 0  # generation: what a connection kept for the next world is named by
+_kept = kept_links.KeptLinks()  # this world's connections, parked for the next one
 
 
 def Query_thread() -> int:
@@ -77,9 +80,10 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
     which world of an elastic job (0 the first); `superseded(client)`, if given, is asked
     while waiting for the others and says whether a newer generation made this one moot
     (raises Superseded)."""
-    global COMM_WORLD, _server
+    global COMM_WORLD, _server, _workers, _generation
     rank, size = identity.rank, identity.size
     if size == 1:
+        _kept.drop_all()
         COMM_WORLD = Comm(Mesh(0, 1, {}, lambda q: f"rank {q}"), [0], WORLD_CONTEXT)
         return COMM_WORLD
     if key is None:
@@ -113,7 +117,8 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
         client.put(scope, str(rank), codec.encode({
             "host": identity.host_label or machine, "machine": machine, "port": port,
             "addresses": [list(a) for a in mine],
-            "by_name": tcp_address.own_host_addresses()}))
+            "by_name": tcp_address.own_host_addresses(),
+            "worker": generations.worker() or "", "kept": _kept.offer()}))
         hosts = _launcher_hosts(client, size)
         try:
             found = _meet(client, scope, size, timeout, hosts, superseded)
@@ -127,13 +132,18 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
         def where(q: int) -> str:
             return f"rank {q} (host {peers[q]['host']})"
         key = generation_key(key, generation)
-        acceptor = Acceptor(listeners, rank, {q: 1 for q in range(rank + 1, size)}, key)
+        kept = _kept.agree(generations.worker() or "", peers, rank)
+        acceptor = Acceptor(listeners, rank, {q: 1 for q in range(rank + 1, size)
+                                              if q not in kept}, key)
         deadline = time.monotonic() + timeout
         moot = None if superseded is None else (lambda: superseded(client))
         socks: Dict[int, socket.socket] = {}
         try:
+            socks.update(kept_links.rebind(kept, rank, generation, key, deadline, where))
             for q in range(rank):
-                socks[q] = _dial(rank, q, peers[q], mine, machine, key, deadline, where, moot)
+                if q not in socks:
+                    socks[q] = _dial(rank, q, peers[q], mine, machine, key, deadline, where,
+                                     moot)
             while not acceptor.wait(min(deadline, time.monotonic() + 0.25)):
                 if moot is not None and moot():
                     raise Superseded(f"a newer generation replaced {scope}")
@@ -149,6 +159,7 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
             raise
         ready = True
     finally:
+        _kept.drop_all()
         client.close()
         if acceptor is None:
             _close_all(listeners)
@@ -159,9 +170,11 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
     for q, streams in acceptor.taken().items():
         socks[q] = streams[0]
     COMM_WORLD = Comm(Mesh(rank, size, socks, where), list(range(size)), WORLD_CONTEXT)
+    _workers, _generation = {q: peers[q].get("worker", "") for q in range(size)}, generation
     _log.info("rank %d: connected to %d ranks without MPI (rendezvous %s:%d%s)", rank,
               size - 1, identity.rendezvous_addr, identity.rendezvous_port,
-              f", generation {generation}" if generation else "")
+              f", generation {generation}, {len(kept)} kept from the one before"
+              if generation else "")
     return COMM_WORLD
 
 
@@ -245,10 +258,14 @@ def check_lost() -> None:
 
 def close_world(keep_server: bool = False) -> None:
     """At process exit (or between two generations of an elastic job, keeping the
-    rendezvous this process serves): the connections, and that rendezvous."""
+    rendezvous this process serves, and the connections that may serve the next world):
+    the connections, and that rendezvous."""
     global _server, COMM_WORLD
     if COMM_WORLD is not None:
-        COMM_WORLD.mesh.close()
+        if keep_server and generations.worker():
+            _kept.park(COMM_WORLD.mesh, _workers, _generation)
+        else:
+            COMM_WORLD.mesh.close()
         if keep_server:
             COMM_WORLD = None
     if _server is not None and not keep_server:

@@ -7,6 +7,10 @@ a message meets a posted receive in posting order, or waits in a queue for one, 
 MPI's matching does (per communicator context, source and tag, never overtaking).
 Large messages land straight in the posted receive's buffer. A connection that
 closes fails the receives waiting on it with LinkLost naming the peer.
+
+Between two generations of an elastic job a connection may be kept (kept_links.py):
+each side ends its messages of the old world with a FENCE, and the reader stops there,
+so nothing of an older world is ever read into a newer one.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from ..failure.links import LinkLost
@@ -26,6 +31,10 @@ _log = logging.getLogger("horolite.world")
 ANY_SOURCE = -1
 HEADER = struct.Struct("<Qqq")  # communicator context, tag, payload bytes
 MAX_MESSAGE = 1 << 40
+FENCE = (1 << 64) - 1  # (a context no communicator has: "nothing more of this world")
+# How long leaving a world waits for a send to a peer already under way before it gives
+# that connection up instead of keeping it (a peer that stopped reading).
+FENCE_SECONDS = 1.0
 
 
 class Status:
@@ -190,6 +199,8 @@ class Mesh:
         self.lost: Dict[int, LinkLost] = {}
         self._closing = False
         self._readers = []
+        self._fenced: set = set()  # peers whose FENCE was read: they left this world
+        self._reader_ended = {q: threading.Event() for q in self._socks}
         for q, sock in self._socks.items():
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -216,6 +227,8 @@ class Mesh:
             return
         if dest in self.lost:
             raise self.lost[dest]
+        if self._closing:
+            raise LinkLost(f"rank {self.rank} left this world", [dest])
         sock = self._socks.get(dest)
         if sock is None:
             raise ValueError(f"rank {self.rank} has no connection to rank {dest}")
@@ -291,22 +304,26 @@ class Mesh:
         try:
             while True:
                 req = None
-                if not _read_into(sock, memoryview(header)):
+                if not read_into(sock, memoryview(header)):
                     raise ConnectionResetError("closed by the peer")
                 context, tag, n = HEADER.unpack(header)
+                if context == FENCE and n == 0:
+                    self._fenced.add(q)
+                    self._lose(q, "it left for the next generation of the world")
+                    return
                 if not 0 <= n <= MAX_MESSAGE:
                     raise ValueError(f"a garbled header ({n} bytes)")
                 with self._lock:
                     req = self._claim(context, q, tag)
                 if req is not None and req.view is not None and n <= len(req.view):
-                    if n and not _read_into(sock, req.view[:n]):
+                    if n and not read_into(sock, req.view[:n]):
                         raise ConnectionResetError("closed by the peer inside a message")
                     with self._lock:
                         req.source, req.count, req.done = q, n, True
                         self._bump()
                     continue
                 data = bytearray(n)
-                if n and not _read_into(sock, memoryview(data)):
+                if n and not read_into(sock, memoryview(data)):
                     raise ConnectionResetError("closed by the peer inside a message")
                 with self._lock:  # (kept as read: no second copy)
                     if req is None:
@@ -323,6 +340,8 @@ class Mesh:
                     with self._lock:                  # receives that _lose fails)
                         req.error, req.done = error, True
                         self._bump()
+        finally:
+            self._reader_ended[q].set()
 
     def _lose(self, q: int, why: str) -> LinkLost:
         with self._lock:
@@ -337,17 +356,50 @@ class Mesh:
         _log.debug("rank %d: %s", self.rank, error)
         return error
 
+    def park(self) -> Dict[int, Tuple[socket.socket, Callable[[float], bool]]]:
+        """Leave this world, keeping the connections still open: {peer: (socket,
+        fenced(deadline))}, where fenced says, once the peer's FENCE was read (waiting
+        until `deadline`, time.monotonic()), that the socket is ready for a next world.
+        The others are closed."""
+        self._closing = True
+        kept = {}
+        for q, sock in self._socks.items():
+            if q in self.lost and q not in self._fenced:
+                close_socket(sock)
+                continue
+            lock = self._send_locks[q]
+            if not lock.acquire(timeout=FENCE_SECONDS):  # a send to it is stuck: not kept
+                close_socket(sock)
+                continue
+            try:
+                sock.sendall(HEADER.pack(FENCE, 0, 0))
+            except OSError:
+                close_socket(sock)
+                continue
+            finally:
+                lock.release()
+
+            def fenced(deadline: float, q=q) -> bool:
+                self._reader_ended[q].wait(max(0.0, deadline - time.monotonic()))
+                return q in self._fenced
+            kept[q] = (sock, fenced)
+        return kept
+
     def close(self) -> None:
         self._closing = True
         for sock in self._socks.values():
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
+            close_socket(sock)
 
 
-def _read_into(sock: socket.socket, view: memoryview) -> bool:
+def close_socket(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def read_into(sock: socket.socket, view: memoryview) -> bool:
     """Fill `view` from `sock`; False when the peer closed first."""
     got = 0
     while got < len(view):

@@ -111,7 +111,8 @@ def finish(proc, tmp_path):
 def test_kill9_survivors_go_on_and_a_new_worker_joins(start, tmp_path, np_, victim):
     # Every rank on a pretend host of its own, in every generation: the worlds' data go
     # over horolite's TCP connections as across real hosts (the other tests: one host).
-    proc = start_job(start, tmp_path, np_, np_ - 1, env={"HOROLITE_TEST_HOST_IDENTITY": "each"})
+    proc = start_job(start, tmp_path, np_, np_ - 1, env={"HOROLITE_TEST_HOST_IDENTITY": "each",
+                                                         "HOROLITE_LOG_LEVEL": "INFO"})
     until(lambda: full_world(tmp_path, np_), proc, "generation 0")
     killed_at = time.time()
     os.kill(pid(tmp_path, f"w{victim}"), signal.SIGKILL)
@@ -125,6 +126,11 @@ def test_kill9_survivors_go_on_and_a_new_worker_joins(start, tmp_path, np_, vict
     assert f"generation 1: w{np_} (host localhost) joins; generation 2: {np_} rank(s), from " \
            "the next commit" in err, err[-3000:]
     survivors = [f"w{k}" for k in range(np_) if k != victim]
+    # Survivors keep their connections to each other; only the new worker's are new.
+    for generation in (1, 2) if np_ > 2 else ():
+        kept = re.findall(rf"generation {generation}, (\d+) kept from the one before", err)
+        assert sorted(kept, key=int)[-(np_ - 1):] == [str(np_ - 2)] * (np_ - 1), \
+            (generation, kept, err[-3000:])
     for w in survivors:
         assert [r[:2] for r in lines(tmp_path, "resets", w)] == [["1", str(np_ - 1)],
                                                                  ["2", str(np_)]], w
