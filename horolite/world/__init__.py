@@ -92,6 +92,7 @@ def open_world(environ: Mapping[str, str] = os.environ):
 def _open_sockets(found, environ: Mapping[str, str], generation: int = 0, superseded=None,
                   timeout: Optional[float] = None):
     global _identity
+    from . import generations
     from . import identity as identity_mod
     from . import sockets
     from ..core import mpi_library
@@ -99,7 +100,7 @@ def _open_sockets(found, environ: Mapping[str, str], generation: int = 0, supers
     settings_iface = env_value("TCP_IFACE", environ) or env_value("GLOO_IFACE", environ) or ""
     key = identity_mod.job_key(environ) if found.size > 1 or generation else None
     sockets.open_world(found, key, gloo_timeout(environ) if timeout is None else timeout,
-                       settings_iface, generation, superseded)
+                       settings_iface, generation, superseded, generations.worker(environ) or "")
     mpi_library.use(sockets)
     _identity = found
     return sockets

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 from ..transport import tcp_address
 from ..transport.tcp_hello import Acceptor, HelloRefused, connect
-from . import codec, generations, kept_links
+from . import codec, kept_links
 from .sockets_comm import (BAND, BOR, BYTE, COMM_NULL, COMM_TYPE_SHARED, IN_PLACE, LAND, LOR,
                            MAX, MIN, SUM, UNDEFINED, Comm, Group, Op, SocketWorldError, Win,
                            processor_name)
@@ -42,6 +42,7 @@ COMM_WORLD: Optional[Comm] = None
 _server = None  # the rendezvous this process serves (rank 0 of a scheduler-started job)
 _workers: Dict[int, str] = {}  # {rank: elastic worker name} of this world, and its
 _generation = 0  # generation: what a connection kept for the next world is named by
+_me = ""  # this process's elastic worker name ("" outside an elastic job: nothing is kept)
 _kept = kept_links.KeptLinks()  # this world's connections, parked for the next one
 
 
@@ -75,15 +76,17 @@ class Superseded(RuntimeError):
 
 
 def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
-               generation: int = 0, superseded=None) -> Comm:
+               generation: int = 0, superseded=None, worker: str = "") -> Comm:
     """Meet the other ranks and connect to each; COMM_WORLD from then on. `generation`:
     which world of an elastic job (0 the first); `superseded(client)`, if given, is asked
     while waiting for the others and says whether a newer generation made this one moot
-    (raises Superseded)."""
-    global COMM_WORLD, _server, _workers, _generation
+    (raises Superseded); `worker`: this process's elastic worker name, under which its
+    connections to the other workers are kept into the next generation."""
+    global COMM_WORLD, _server, _workers, _generation, _me
     rank, size = identity.rank, identity.size
     if size == 1:
         _kept.drop_all()
+        _me = worker
         COMM_WORLD = Comm(Mesh(0, 1, {}, lambda q: f"rank {q}"), [0], WORLD_CONTEXT)
         return COMM_WORLD
     if key is None:
@@ -118,7 +121,7 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
             "host": identity.host_label or machine, "machine": machine, "port": port,
             "addresses": [list(a) for a in mine],
             "by_name": tcp_address.own_host_addresses(),
-            "worker": generations.worker() or "", "kept": _kept.offer()}))
+            "worker": worker, "kept": _kept.offer()}))
         hosts = _launcher_hosts(client, size)
         try:
             found = _meet(client, scope, size, timeout, hosts, superseded)
@@ -132,7 +135,7 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
         def where(q: int) -> str:
             return f"rank {q} (host {peers[q]['host']})"
         key = generation_key(key, generation)
-        kept = _kept.agree(generations.worker() or "", peers, rank)
+        kept = _kept.agree(worker, peers, rank)
         acceptor = Acceptor(listeners, rank, {q: 1 for q in range(rank + 1, size)
                                               if q not in kept}, key)
         deadline = time.monotonic() + timeout
@@ -171,6 +174,7 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
         socks[q] = streams[0]
     COMM_WORLD = Comm(Mesh(rank, size, socks, where), list(range(size)), WORLD_CONTEXT)
     _workers, _generation = {q: peers[q].get("worker", "") for q in range(size)}, generation
+    _me = worker
     _log.info("rank %d: connected to %d ranks without MPI (rendezvous %s:%d%s)", rank,
               size - 1, identity.rendezvous_addr, identity.rendezvous_port,
               f", generation {generation}, {len(kept)} kept from the one before"
@@ -262,7 +266,7 @@ def close_world(keep_server: bool = False) -> None:
     the connections, and that rendezvous."""
     global _server, COMM_WORLD
     if COMM_WORLD is not None:
-        if keep_server and generations.worker():
+        if keep_server and _me:
             _kept.park(COMM_WORLD.mesh, _workers, _generation)
         else:
             COMM_WORLD.mesh.close()
