@@ -144,7 +144,8 @@ def worker(args) -> None:
 # ---- driver ----
 
 def _user_share(v) -> str:
-    return f", {100 * v[2] / v[0]:.0f}% user" if len(v) > 2 and v[0] >= 0.5 else ""
+    """Only for groups with 0.5 ms a step or more: below, clock ticks say nothing."""
+    return f", {100 * v[2] / v[0]:.0f}% user" if v[0] >= 0.5 else ""
 
 
 def report(doc: dict) -> str:

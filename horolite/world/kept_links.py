@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import socket
 import time
 from typing import Callable, Dict, Tuple
@@ -28,10 +27,9 @@ from .sockets_mesh import HEADER, Mesh, close_socket, read_into
 
 __all__ = ["KeptLinks", "rebind", "REBIND"]
 
-_log = logging.getLogger("horolite.world")
-
 REBIND = (1 << 64) - 2  # (a context no communicator has: "this connection, the new world")
 MAC_BYTES = 32
+
 
 class KeptLinks:
     """One rank's connections parked between two worlds, by the peer's worker name."""

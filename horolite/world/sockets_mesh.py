@@ -300,10 +300,9 @@ class Mesh:
 
     def _read(self, q: int, sock: socket.socket) -> None:
         header = bytearray(HEADER.size)
-        req = None  # the receive this message was claimed for, until it is complete
+        req = None  # the receive the latest message was claimed for (done once complete)
         try:
             while True:
-                req = None
                 if not read_into(sock, memoryview(header)):
                     raise ConnectionResetError("closed by the peer")
                 context, tag, n = HEADER.unpack(header)
