@@ -13,9 +13,11 @@ trained three ways, each on a fresh model in this process:
 for Keras ``fit`` and for a ``tf.function`` tape step. It prints the first step (trace,
 instantiation and the first negotiation included; the slowest rank's) and the median of
 the later steps, timed once every way is traced, in rotating blocks of all six, so that
-the machine's drift lands on every way alike. The ratios are the issue's targets: buckets
-over one request, either over plain, and later steps buckets over one request (the
-median of the blocks' ratios).
+the machine's drift lands on every way alike. Its target is the later steps' ratio,
+buckets over one request (the median of the blocks' ratios). The first steps here are
+each traced beside the earlier ways' models and graphs, which slows tracing (up to twice
+a fresh process's time at 1000 variables): bench/bucket_trace_first.py times each way's
+first step in a job of its own (``--only``) and prints those ratios.
 
     horolite-run -np 2 python bench/bucket_trace.py                 # 300 variables
     horolite-run -np 2 python bench/bucket_trace.py --variables 1000
@@ -50,6 +52,9 @@ def arguments():
     p.add_argument("--steps", type=int, default=40, help="later steps timed per way (default 40)")
     p.add_argument("--blocks", type=int, default=4,
                    help="rotating blocks the later steps are timed in (default 4)")
+    p.add_argument("--only", default=None, metavar="HOW:WAY",
+                   help="time only this way's first step (fit or tape : buckets, one or plain), "
+                        "as bench/bucket_trace_first.py runs each in a job of its own")
     p.add_argument("--pretend-hosts", default="1+1",
                    help="HOROLITE_TEST_HOST_IDENTITY for the ranks (default 1+1: buckets on as "
                         "across hosts); '' to leave the topology alone")
@@ -154,20 +159,31 @@ def main():
             return float(np.median(steps))
         return first, later
 
-    for way in (fit_way, tape_way) if not args.tiny else ():  # one-time costs first
-        for mode in MODES:
-            way(mode, 2)[1](1)
+    ways = {"fit": fit_way, "tape": tape_way}
+    chosen = [(how, mode) for how in ways for mode in MODES]
+    if args.only:
+        chosen = [tuple(args.only.split(":"))]
+        if chosen[0] not in [(h, m) for h in ways for m in MODES]:
+            raise SystemExit(f"--only {args.only}: not one of fit or tape : {', '.join(MODES)}")
+    for how, mode in chosen if not args.tiny else ():  # one-time costs first
+        ways[how](mode, 2)[1](1)
     if resnet:
         layers = None
     sizes = [4 * int(np.prod(v.shape)) for v in model(layers)[0].trainable_variables]
     requests = len(buckets.plan(sizes, buckets.bucket_cap_bytes()))
     results, rows, timers = {}, [], {}
-    for how, way in (("fit", fit_way), ("tape", tape_way)):
-        for mode in MODES:
-            first, timers[how, mode] = way(mode, layers)
-            results[f"{how}_{mode}"] = {"first_s": first}
-            if rank == 0:
-                print(f"[bucket_trace] {how} {mode}: first step {first:.2f} s", flush=True)
+    for how, mode in chosen:
+        first, timers[how, mode] = ways[how](mode, layers)
+        results[f"{how}_{mode}"] = {"first_s": first}
+        if rank == 0:
+            print(f"[bucket_trace] {how} {mode}: first step {first:.2f} s", flush=True)
+    payload = {"model": args.model, "variables": len(sizes), "layers": layers,
+               "width": None if resnet else WIDTH, "batch": IMAGE_BATCH if resnet else BATCH,
+               "requests_per_step_with_buckets": requests, "results": results}
+    if args.only:
+        finish(comm, args, "bucket_trace_only", payload, ["how", "way", "first step (s)"],
+               [[how, mode, f"{results[f'{how}_{mode}']['first_s']:.2f}"]], [])
+        return
     # The later steps in rotating blocks of every way, so that the machine's drift over
     # the run lands on every way alike; each ratio is the median of its blocks' ratios.
     blocks = 1 if args.tiny else max(1, args.blocks)
@@ -184,25 +200,13 @@ def main():
                      f"{1e3 * later:.1f}"])
     targets = []
     for how in ("fit", "tape"):
-        b, o, p = (results[f"{how}_{m}"] for m in ("buckets", "one", "plain"))
-        ratios = {"first_buckets_over_one": b["first_s"] / o["first_s"],
-                  "first_either_over_plain": max(b["first_s"], o["first_s"]) / p["first_s"],
-                  "later_buckets_over_one": float(np.median(
+        b, o = (results[f"{how}_{m}"] for m in ("buckets", "one"))
+        ratios = {"later_buckets_over_one": float(np.median(
                       [x / y for x, y in zip(b["later_blocks_s"], o["later_blocks_s"])]))}
         results[f"{how}_ratios"] = ratios
-        targets += [
-            Target(f"{how}: first step, buckets over num_groups=1", ratios["first_buckets_over_one"],
-                   1.2, "x", False, "tracing and instantiating a graph of one enqueue and wait "
-                   "per bucket, and the barrier's ops"),
-            Target(f"{how}: first step, either over plain Keras", ratios["first_either_over_plain"],
-                   1.3, "x", False, "horolite's ops in the graph, the first negotiation"),
-            Target(f"{how}: later steps, buckets over num_groups=1",
-                   ratios["later_buckets_over_one"], 1.05, "x", False,
-                   "one background cycle per bucket, with no overlap on one host"),
-        ]
-    payload = {"model": args.model, "variables": len(sizes), "layers": layers,
-               "width": None if resnet else WIDTH, "batch": IMAGE_BATCH if resnet else BATCH,
-               "requests_per_step_with_buckets": requests, "results": results}
+        targets.append(Target(
+            f"{how}: later steps, buckets over num_groups=1", ratios["later_buckets_over_one"],
+            1.05, "x", False, "one background cycle per bucket, with no overlap on one host"))
     name = ("bucket_trace_resnet50" if resnet else
             "bucket_trace" if args.tiny or len(sizes) == 300 else f"bucket_trace_{len(sizes)}")
     finish(comm, args, name, payload, ["how", "way", "first step (s)", "later step (ms)"],

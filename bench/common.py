@@ -244,9 +244,11 @@ def _uncommitted() -> List[str]:
     return [line[3:] for line in out.splitlines() if line.strip()]
 
 
-def _command(ranks: int) -> str:
+def _command(ranks: Optional[int]) -> str:
+    """How the run was started (None: a driver that starts its own jobs)."""
     script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
-    return " ".join([f"horolite-run -np {ranks} python {script}", *sys.argv[1:]])
+    launch = f"horolite-run -np {ranks} " if ranks is not None else ""
+    return " ".join([f"{launch}python {script}", *sys.argv[1:]])
 
 
 def _versions() -> Dict[str, str]:
@@ -299,7 +301,7 @@ def finish(comm, args, name: str, payload: dict, columns: Sequence[str],
     md = _markdown(columns, table, targets)
     doc = {
         "benchmark": name,
-        "command": _command(ranks),
+        "command": _command(ranks if comm is not None else None),
         "ranks": ranks,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": {"cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

@@ -252,9 +252,31 @@ def test_bucket_trace(tmp_path):
         for way in ("buckets", "one", "plain"):
             timed = doc["results"][f"{how}_{way}"]
             assert timed["first_s"] > 0 and timed["later_s"] > 0, (how, way)
-        assert set(doc["results"][f"{how}_ratios"]) == {
-            "first_buckets_over_one", "first_either_over_plain", "later_buckets_over_one"}
-    assert len(doc["targets"]) == 6
+        assert set(doc["results"][f"{how}_ratios"]) == {"later_buckets_over_one"}
+    assert len(doc["targets"]) == 2
+
+
+def test_bucket_trace_first_runs_each_way_in_a_job_of_its_own(tmp_path):
+    # Six jobs of 8 variables: each way's first step timed in a fresh process, then the
+    # first-step ratios (buckets over one request, either over plain) for fit and tape.
+    pytest.importorskip("tensorflow")
+    out = tmp_path / "first.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bucket_trace_first.py"),
+                           "--tiny", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["variables"] == 8 and doc["np"] == 2
+    for how in ("fit", "tape"):
+        got = doc["results"][how]
+        assert all(len(got["first_s"][w]) == 1 and got["first_s"][w][0] > 0
+                   for w in ("buckets", "one", "plain")), got
+        b, o, p = (got["first_s"][w][0] for w in ("buckets", "one", "plain"))
+        assert abs(got["buckets_over_one"] - b / o) < 1e-9
+        assert abs(got["either_over_plain"] - max(b, o) / p) < 1e-9
+    assert [t["name"] for t in doc["targets"]] == [
+        f"{how}: first step, {what}" for how in ("fit", "tape")
+        for what in ("buckets over num_groups=1", "either over plain Keras")]
 
 
 def test_control_plane(tmp_path, monkeypatch):
