@@ -23,6 +23,10 @@ take no resource (an enqueue among them) in the order they were made, and the op
 that use one resource in the order they were made (a write after the earlier reads
 and writes, a read after the earlier write). An op that such an order will put
 before an enqueue, and whatever it needs, therefore never waits for that enqueue.
+TensorFlow's CPU rewrite (oneDNN, on by default) also makes one node of a
+convolution's filter gradient and the bias gradient taken from the same output
+gradient; where the two fall in different buckets, nothing above the one in the later
+bucket waits for the earlier bucket's enqueue, or the fused node would need itself.
 A collective inside backprop (SyncBatchNormalization's gradient, any horolite
 collective with a gradient) was made before every bucket's enqueue, so the buckets
 leave once backprop has passed the lowest such collective; a variable that backprop
@@ -35,6 +39,10 @@ from typing import Dict, Iterable, List, Set
 from tensorflow.python.framework import auto_control_deps, ops as tf_ops
 
 __all__ = ["BucketOrder", "chained_in_program_order"]
+
+# Filter gradients that oneDNN's graph rewrite fuses with a BiasAddGrad of the same
+# output gradient (into one _Mkl...BackpropFilterWithBias node).
+_FUSED_WITH_BIAS_GRAD = frozenset({"Conv2DBackpropFilter", "Conv3DBackpropFilterV2"})
 
 
 def chained_in_program_order(op) -> bool:
@@ -71,6 +79,7 @@ class BucketOrder:
         self._last_chained = None
         self._last_write: Dict = {}
         self._reads: Dict = {}
+        self._partners: List = []  # ops the CPU rewrite may fuse with one in `before`
 
     def enqueued(self, enqueue_op) -> None:
         """`enqueue_op` (a bucket's) was just made: everything it needs comes before it."""
@@ -83,6 +92,7 @@ class BucketOrder:
         if self.latest is None:
             return 0
         rest = self._not_before([t.op for t in tensors if t.graph is self.graph])
+        rest -= self._fused_with_before()  # (they run as they come; what follows them waits)
         added = 0
         for op in rest:
             if op._is_stateful or op._get_control_flow_context() is not None or op in self.later:
@@ -93,6 +103,21 @@ class BucketOrder:
             op._add_control_input(self.latest)
             added += 1
         return added
+
+    def _fused_with_before(self) -> Set:
+        """The ops that the CPU rewrite may fuse with an op some enqueue already needs (a
+        filter gradient with its bias gradient), with their ancestors that no enqueue
+        needs: a control input on an enqueue there would close a cycle through the fused
+        node, in this bucket or any later one."""
+        fused, stack = set(), [op for op in self._partners if op not in self.before]
+        while stack:
+            op = stack.pop()
+            if op in fused or op in self.before or op.graph is not self.graph:
+                continue
+            fused.add(op)
+            stack.extend(t.op for t in op.inputs)
+            stack.extend(op.control_inputs)
+        return fused
 
     def _scan(self, upto: int) -> None:
         """Note what TensorFlow will order each op made before op id `upto` after (as
@@ -145,6 +170,11 @@ class BucketOrder:
                 continue
             before.add(op)
             ordered.append(op)
+            partners = (_FUSED_WITH_BIAS_GRAD if op.type == "BiasAddGrad" else
+                        ("BiasAddGrad",) if op.type in _FUSED_WITH_BIAS_GRAD else ())
+            if partners:
+                self._partners.extend(c for t in op.inputs for c in t.consumers()
+                                      if c.type in partners)
             stack.extend(t.op for t in op.inputs)
             stack.extend(op.control_inputs)
         stack = [o for op in ordered for o in self._orders.get(op, ())]
