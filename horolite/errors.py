@@ -4,7 +4,7 @@ from __future__ import annotations
 __all__ = ["HorovodInternalError", "TensorMismatchError", "InvalidCollectiveError",
            "AdasumUnsupportedError", "DuplicateNameError",
            "ShutdownError", "StallError", "NotInitializedError", "ControlMessageError",
-           "HostsUpdatedInterrupt"]
+           "HostsUpdatedInterrupt", "prefixed"]
 
 
 class HorovodInternalError(RuntimeError):
@@ -52,3 +52,16 @@ class HostsUpdatedInterrupt(RuntimeError):
     def __init__(self, skip_sync):
         super().__init__("the set of hosts of this elastic job changed")
         self.skip_sync = skip_sync
+
+
+def prefixed(error: BaseException, prefix: str) -> BaseException:
+    """A copy of `error` whose message starts with `prefix` (a tensor's or a process set's
+    name), blaming the same peer and keeping its cause; `error` itself where its type
+    takes other arguments, since a copy must still be caught as the original was."""
+    try:
+        named = type(error)(f"{prefix}: {error}")
+    except Exception:
+        return error
+    named.horolite_peer = getattr(error, "horolite_peer", None)
+    named.__cause__ = error.__cause__
+    return named

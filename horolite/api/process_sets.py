@@ -18,7 +18,7 @@ import logging
 from typing import Dict, List, Optional, Sequence
 
 from ..core.handle import Handle
-from ..errors import InvalidCollectiveError
+from ..errors import InvalidCollectiveError, prefixed
 from ..runtime import registry
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
@@ -116,13 +116,7 @@ class SetHandle(Handle):
 
     def labelled(self, exc: BaseException) -> BaseException:
         if self.set_label and self.set_label not in str(exc):
-            try:
-                renamed = type(exc)(f"{self.set_label}: {exc}")
-                renamed.horolite_peer = getattr(exc, "horolite_peer", None)
-                renamed.__cause__ = exc.__cause__
-                return renamed
-            except Exception:  # an exception type with another constructor: keep it as is
-                pass
+            return prefixed(exc, self.set_label)
         return exc
 
     def _set_exception(self, exc: BaseException) -> None:

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from ..errors import DuplicateNameError
+from ..errors import DuplicateNameError, prefixed
 from ..core.handle import Handle
 from ..core.messages import Request
 from ..core.wake import Wake
@@ -152,9 +152,4 @@ def _naming(error: BaseException, name: str) -> BaseException:
     """The queue's closing error, naming the tensor refused (once)."""
     if str(error).startswith("tensor '"):
         return error
-    try:
-        named = type(error)(f"tensor '{name}': {error}")
-    except Exception:  # an error type that takes other arguments
-        return error
-    named.horolite_peer = getattr(error, "horolite_peer", None)
-    return named
+    return prefixed(error, f"tensor '{name}'")

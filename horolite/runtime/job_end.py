@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import HorovodInternalError, ShutdownError
+from ..errors import HorovodInternalError, ShutdownError, prefixed
 from . import registry
 from ..failure.links import LinkLost
 from ..failure.shm_files import remove_mapped
@@ -51,9 +51,7 @@ def _exit_grace() -> float:
 def _fail_entries(entries, error: BaseException) -> None:
     """Each entry's handle fails with `error`, naming its tensor."""
     for entry in entries:
-        exc = type(error)(f"tensor '{entry.request.name}': {error}")
-        exc.horolite_peer = getattr(error, "horolite_peer", None)
-        entry.handle._set_exception(exc)
+        entry.handle._set_exception(prefixed(error, f"tensor '{entry.request.name}'"))
 
 
 class JobEnd:
