@@ -23,7 +23,8 @@ from . import codec, kept_links
 from .sockets_comm import (BAND, BOR, BYTE, COMM_NULL, COMM_TYPE_SHARED, IN_PLACE, LAND, LOR,
                            MAX, MIN, SUM, UNDEFINED, Comm, Group, Op, SocketWorldError, Win,
                            processor_name)
-from .sockets_mesh import ANY_SOURCE, REQUEST_NULL, Mesh, Request, Status
+from .requests import ANY_SOURCE, REQUEST_NULL, Request, Status
+from .sockets_mesh import Mesh
 
 __all__ = ["open_world", "close_world", "COMM_WORLD", "Comm", "Group", "Op", "Win", "Request",
            "Status", "Exception", "ANY_SOURCE", "REQUEST_NULL", "COMM_NULL", "UNDEFINED",

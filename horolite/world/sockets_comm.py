@@ -21,7 +21,8 @@ from typing import Any, Callable, Generator, List, Optional, Sequence
 import numpy as np
 
 from . import codec
-from .sockets_mesh import ANY_SOURCE, Mesh, RecvRequest, Request
+from .requests import ANY_SOURCE, RecvRequest, Request
+from .sockets_mesh import Mesh
 
 __all__ = ["Comm", "Group", "Op", "Win", "COMM_NULL", "UNDEFINED", "IN_PLACE", "BYTE",
            "LAND", "LOR", "BOR", "BAND", "SUM", "MAX", "MIN", "COMM_TYPE_SHARED", "SocketWorldError"]

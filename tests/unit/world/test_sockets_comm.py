@@ -9,8 +9,8 @@ import pytest
 from horolite.failure.links import LinkLost
 from horolite.world import codec
 from horolite.world.sockets_comm import BOR, COMM_NULL, IN_PLACE, LAND, MAX, UNDEFINED, Comm, Win
-from horolite.world.sockets_mesh import (ANY_SOURCE, HEADER, REQUEST_NULL, Mesh, Request,
-                                         Status)
+from horolite.world.requests import ANY_SOURCE, REQUEST_NULL, Request, Status
+from horolite.world.sockets_mesh import HEADER, Mesh
 
 
 def make_world(n):
