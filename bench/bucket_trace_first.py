@@ -5,7 +5,7 @@ a first step is traced beside their models and graphs, and tracing slows as they
 up (a 1000-variable tape step: about 70 s fresh, 145 s as the sixth way of one job).
 This runs ``horolite-run -np 2 python bench/bucket_trace.py --only HOW:WAY`` once per
 way and round, the order of the three ways rotating from round to round, and prints
-the issue's first-step ratios from the medians over rounds: buckets over
+the issue's first-step ratios from the upper medians over rounds: buckets over
 ``num_groups=1``, and either over plain Keras, for ``fit`` and for the tape step.
 
     python bench/bucket_trace_first.py                      # 300 variables
