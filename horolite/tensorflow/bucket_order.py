@@ -109,15 +109,7 @@ class BucketOrder:
         filter gradient with its bias gradient), with their ancestors that no enqueue
         needs: a control input on an enqueue there would close a cycle through the fused
         node, in this bucket or any later one."""
-        fused, stack = set(), [op for op in self._partners if op not in self.before]
-        while stack:
-            op = stack.pop()
-            if op in fused or op in self.before or op.graph is not self.graph:
-                continue
-            fused.add(op)
-            stack.extend(t.op for t in op.inputs)
-            stack.extend(op.control_inputs)
-        return fused
+        return self._not_before(self._partners)
 
     def _scan(self, upto: int) -> None:
         """Note what TensorFlow will order each op made before op id `upto` after (as
