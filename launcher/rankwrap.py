@@ -26,6 +26,7 @@ same Python exists (remote hosts included) without importing horolite.
 - The wrapper exits with the command's exit code (128+N for signal N).
 """
 import argparse
+import functools
 import json
 import os
 import selectors
@@ -54,7 +55,7 @@ def rank_and_size(environ=None):
     return (0 if rank is None else rank), (1 if size is None else size)
 
 
-def _child_setup():  # runs in the child between fork and exec
+def _child_setup(wrapper_pid: int) -> None:  # runs in the child between fork and exec
     os.setpgid(0, 0)
     if sys.platform.startswith("linux"):
         try:
@@ -63,6 +64,11 @@ def _child_setup():  # runs in the child between fork and exec
             libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
         except Exception:
             pass
+    # A wrapper that died before the line above (a SIGTERM as it started: an elastic
+    # job's end stops a worker that was still starting) sends no signal: the command
+    # would run on alone, orphaned.
+    if os.getppid() != wrapper_pid:
+        os._exit(128 + int(signal.SIGKILL))
 
 
 class _Stream:
@@ -199,7 +205,7 @@ def main(argv=None):
         child = subprocess.Popen(command, stdout=subprocess.PIPE,
                                  stdin=subprocess.DEVNULL if control is not None else None,
                                  stderr=subprocess.PIPE, close_fds=False, env=env,
-                                 preexec_fn=_child_setup)
+                                 preexec_fn=functools.partial(_child_setup, os.getpid()))
     except OSError as e:
         code = 127 if isinstance(e, FileNotFoundError) else 126
         write_all(2, f"[{rank}]<stderr>:horolite-run: cannot run {command[0]!r}: {e.strerror}\n"

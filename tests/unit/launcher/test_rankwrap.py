@@ -75,3 +75,17 @@ def test_a_failed_commands_end_is_reported_at_once_and_held_until_a_signal():
 def test_a_command_that_succeeded_is_not_held():
     proc, fields = _exit_marker_then_wrapper("exit 0", "--hold", "60")
     assert fields["code"] == "0" and proc.wait(timeout=30) == 0
+
+
+def test_a_command_whose_wrapper_died_while_it_started_does_not_run_orphaned():
+    # The parent-death signal is set in the child after fork: a wrapper that died before
+    # that (a SIGTERM as it started) left the command running alone. The child set-up
+    # checks its parent is still the wrapper; here it is told another pid, as if the
+    # wrapper had gone and the child been handed to init.
+    from launcher.rankwrap import _child_setup
+    r = subprocess.run(["sh", "-c", "echo ran"], capture_output=True, timeout=30,
+                       preexec_fn=lambda: _child_setup(os.getpid() + 1))
+    assert r.returncode == 128 + signal.SIGKILL and r.stdout == b"", r
+    r = subprocess.run(["sh", "-c", "echo ran"], capture_output=True, timeout=30,
+                       preexec_fn=lambda pid=os.getpid(): _child_setup(pid))
+    assert r.returncode == 0 and r.stdout == b"ran\n", r
