@@ -15,8 +15,8 @@ instantiation and the first negotiation included; the slowest rank's) and the me
 the later steps, timed once every way is traced, in rotating blocks of all six, so that
 the machine's drift lands on every way alike. Its target is the later steps' ratio,
 buckets over one request (the median of the blocks' ratios). The first steps here are
-each traced beside the earlier ways' models and graphs, which slows tracing (up to twice
-a fresh process's time at 1000 variables): bench/bucket_trace_first.py times each way's
+each traced beside the earlier ways' models and graphs, which slows tracing (up to three
+times a fresh process's time at 1000 variables): bench/bucket_trace_first.py times each way's
 first step in a job of its own (``--only``) and prints those ratios.
 
     horolite-run -np 2 python bench/bucket_trace.py                 # 300 variables

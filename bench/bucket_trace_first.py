@@ -2,7 +2,8 @@
 
 A user's first step is traced in a fresh process. Timed in one job after other ways,
 a first step is traced beside their models and graphs, and tracing slows as they pile
-up (a 1000-variable tape step: about 70 s fresh, 145 s as the sixth way of one job).
+up (a 1000-variable tape step: about 45 s in a job of its own, up to 145 s as a later
+way of one job).
 This runs ``horolite-run -np 2 python bench/bucket_trace.py --only HOW:WAY`` once per
 way and round, the order of the three ways rotating from round to round, and prints
 the issue's first-step ratios from the upper medians over rounds: buckets over
@@ -16,15 +17,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
+from typing import Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import Target, finish, parser  # noqa: E402
+from common import Target, finish, horolite_run, parser  # noqa: E402
 
 WAYS = ("buckets", "one", "plain")
 
@@ -34,17 +35,16 @@ def arguments(argv=None):
     p.add_argument("--variables", type=int, default=300)
     p.add_argument("--model", choices=("dense", "resnet50"), default="dense")
     p.add_argument("--rounds", type=int, default=1, help="jobs per way (default 1)")
-    p.add_argument("--np", type=int, default=2, dest="np_")
     return p.parse_args(argv)
 
 
-def one_job(args, how: str, way: str) -> float:
-    """The slowest rank's first step of `how` `way`, in a job of its own."""
-    run = shutil.which("horolite-run", path=os.path.dirname(sys.executable) + os.pathsep
-                       + os.environ.get("PATH", ""))
+def one_job(args, how: str, way: str) -> Tuple[float, int]:
+    """The slowest rank's first step of `how` `way`, in a job of its own, and the
+    model's number of variables."""
+    run = horolite_run()
     with tempfile.TemporaryDirectory(prefix="bucket-first-") as tmp:
         out = os.path.join(tmp, "only.json")
-        cmd = [run, "-np", str(args.np_), sys.executable, os.path.join(HERE, "bucket_trace.py"),
+        cmd = [run, "-np", "2", sys.executable, os.path.join(HERE, "bucket_trace.py"),
                "--only", f"{how}:{way}", "--variables", str(args.variables),
                "--model", args.model, "--out", out, "--no-plot"] + (["--tiny"] if args.tiny else [])
         env = dict(os.environ)
@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     name = ("bucket_trace_first_resnet50" if args.model == "resnet50" else
             "bucket_trace_first" if args.tiny or variables == 300 else
             f"bucket_trace_first_{variables}")
-    finish(None, args, name, {"model": args.model, "variables": variables, "np": args.np_,
+    finish(None, args, name, {"model": args.model, "variables": variables, "np": 2,
                               "rounds": args.rounds, "results": results},
            ["how", "way", "first step per round (s)"], rows, targets)
 

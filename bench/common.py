@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -185,6 +186,12 @@ class Target:
         return {"name": self.name, "value": self.value, "bound": self.bound, "unit": self.unit,
                 "comparison": ">=" if self.higher_is_better else "<=", "met": self.met,
                 "limited_by": self.limited_by}
+
+
+def horolite_run() -> str:
+    """The horolite-run beside this Python (a driver that starts its own jobs)."""
+    return shutil.which("horolite-run", path=os.path.dirname(sys.executable) + os.pathsep
+                        + os.environ.get("PATH", ""))
 
 
 def polite_barrier(comm, poll_seconds: float = 0.005) -> None:

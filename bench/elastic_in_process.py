@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -78,8 +77,8 @@ def _wait(predicate, proc, what: str, seconds: float = 300) -> None:
 
 
 def one_job(np_: int, elastic: bool, pretend: bool) -> dict:
-    run = shutil.which("horolite-run", path=os.path.dirname(sys.executable) + os.pathsep
-                       + os.environ.get("PATH", ""))
+    from common import horolite_run
+    run = horolite_run()
     outdir = tempfile.mkdtemp(prefix="elastic-bench-")
     cmd = [run, "--gloo", "-np", str(np_)] + (["--min-np", str(np_ - 1)] if elastic else []) + \
         [sys.executable, os.path.abspath(__file__), "--rank-side", outdir]

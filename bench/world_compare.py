@@ -120,8 +120,8 @@ def bed_hosts(hosts: int, per: int) -> str:
 
 def one_job(world: str, np_: int, iters: int, pretend: bool = False, steps: bool = False,
             bed=None, hosts: str = "") -> dict:
-    run = shutil.which("horolite-run", path=os.path.dirname(sys.executable) + os.pathsep
-                       + os.environ.get("PATH", ""))
+    from common import horolite_run
+    run = horolite_run()
     outdir = tempfile.mkdtemp(prefix="world-compare-")
     where = ["-H", hosts] if bed is not None else ["-np", str(np_)]
     cmd = [run] + (["--gloo"] if world == "gloo" else []) + where + [
