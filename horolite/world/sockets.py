@@ -85,9 +85,9 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
     connections to the other workers are kept into the next generation."""
     global COMM_WORLD, _server, _workers, _generation, _me
     rank, size = identity.rank, identity.size
+    _me = worker
     if size == 1:
         _kept.drop_all()
-        _me = worker
         COMM_WORLD = Comm(Mesh(0, 1, {}, lambda q: f"rank {q}"), [0], WORLD_CONTEXT)
         return COMM_WORLD
     if key is None:
@@ -175,7 +175,6 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
         socks[q] = streams[0]
     COMM_WORLD = Comm(Mesh(rank, size, socks, where), list(range(size)), WORLD_CONTEXT)
     _workers, _generation = {q: peers[q].get("worker", "") for q in range(size)}, generation
-    _me = worker
     _log.info("rank %d: connected to %d ranks without MPI (rendezvous %s:%d%s)", rank,
               size - 1, identity.rendezvous_addr, identity.rendezvous_port,
               f", generation {generation}, {len(kept)} kept from the one before"
