@@ -178,7 +178,10 @@ hvd.allreduce(np.ones(2), name="warm", process_set=pair) if r < 2 else None
 with open("/proc/self/maps") as maps, open(os.path.join(sys.argv[1], "shm.%d" % r), "w") as out:
     out.write(" ".join(sorted({l.split()[-1] for l in maps if "/dev/shm/" in l
                                 and "(deleted)" not in l})))
-if r == 2:
+open(os.path.join(sys.argv[1], "ready.%d" % r), "w").close()
+if r == 2:  # once ranks 0 and 1 are past the set's warm-up (its failure would be outside try)
+    while not all(os.path.exists(os.path.join(sys.argv[1], "ready.%d" % q)) for q in (0, 1)):
+        time.sleep(0.01)
     raise RuntimeError("bad batch")
 try:
     if r == 0:  # rank 1 never submits it: only rank 2's failure can end this wait
@@ -210,10 +213,12 @@ def test_a_failure_outside_a_process_set_fails_its_pending_collectives(tmp_path,
             if os.path.exists(path):
                 os.remove(path)
     assert proc.returncode != 0
-    seen = (tmp_path / "rank.0").read_text()
+    told = {r: tmp_path / f"rank.{r}" for r in (0, 1)}
+    assert all(path.exists() for path in told.values()), proc.stdout + proc.stderr
+    seen = told[0].read_text()
     assert seen.startswith("HorovodInternalError: process set 1 (job ranks [0, 1])"), seen
     assert "tensor 'pending'" in seen and "rank 2" in seen and "bad batch" in seen, seen
-    seen = (tmp_path / "rank.1").read_text()
+    seen = told[1].read_text()
     assert "tensor 'never'" in seen and "rank 2" in seen and "bad batch" in seen, seen
 
 
