@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from horolite.elastic import protocol
 

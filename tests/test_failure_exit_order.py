@@ -8,7 +8,6 @@ while the ranks say they ended must not keep a rank from ending with its code.
 Each rank records the moment it ends, and from which thread, in the os._exit that
 horolite's exit path calls; a rank mpirun ends first records nothing.
 """
-import os
 import subprocess
 import sys
 

@@ -31,7 +31,7 @@ from ..failure.channel import caused_by_peer, describe_exception, launcher_marke
 from . import in_process, protocol
 from .durable import CommitStore, decode
 from .session import current, log
-from .state import NOT_DURABLE, State
+from .state import State
 
 __all__ = ["run_fn", "resume", "is_runtime_failure"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 

@@ -13,7 +13,7 @@ aligned and copies can move 16 bytes at a time. Pure: no CuPy, no GPU.
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 

@@ -151,7 +151,7 @@ class NativeOps:
         """Hand the results to the wait op: 64-byte aligned ones as they are (the
         arrays are kept here until TensorFlow drops them), others copied."""
         arrays = [a if a.flags.c_contiguous else np.array(a, order="C") for a in arrays]  # (keeps 0-d)
-        ffi, from_buffer, null = self.ffi, self.ffi.from_buffer, self.ffi.NULL
+        from_buffer, null = self.ffi.from_buffer, self.ffi.NULL
         token = next(self._tokens)
         with self._lent_lock:
             self._lent[token] = arrays

@@ -8,7 +8,6 @@ summary then lacked it (issue 57, item 6). Here the killed rank's wrapper is sto
 and the summary names the signal.
 """
 import os
-import subprocess
 import sys
 import time
 

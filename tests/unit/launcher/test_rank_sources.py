@@ -2,7 +2,7 @@
 the singleton-trap check of init()."""
 import pytest
 
-from test_launcher_cli import WRAP, config, lmain, mpi
+from test_launcher_cli import WRAP, config, mpi
 
 import importlib
 
