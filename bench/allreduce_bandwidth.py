@@ -94,8 +94,7 @@ def main(argv=None) -> None:
             it, blocks=args.blocks, comm=comm)
         rows[s]["bound_s"], rows[s]["horolite_s"] = timed["bound"], timed["horolite"]
         hvd.shutdown()
-        del b
-        del a
+        a = b = None  # (freed before the next size's)
     if dist is not None:
         dist.destroy_process_group()
 

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
