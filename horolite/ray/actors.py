@@ -25,7 +25,8 @@ _log = logging.getLogger("horolite.ray")
 def node_info() -> NodeInfo:
     """Where the calling process runs (a worker's, or a Ray Train worker's)."""
     return NodeInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
-                    socket.gethostname(), os.getpid())
+                    socket.gethostname(), os.getpid(),
+                    tuple(str(g) for g in ray.get_gpu_ids()))
 
 
 def settle_after_failure() -> None:
@@ -59,6 +60,21 @@ class Worker:
 
     def get_gpu_ids(self):
         return ray.get_gpu_ids()
+
+    def share_gpus(self, own, order, local_rank: int, pick: bool) -> None:
+        """See the GPUs of `order` (ObjectRefs of GPU ids: this host's workers', in
+        local-rank order; `own`, this worker's, comes resolved): an elastic worker learns them here,
+        without the driver waiting for any actor to start. A worker that died before it
+        said is left out."""
+        from .gpus import shared_gpus
+        ids = []
+        for ref in order:
+            try:
+                ids.append(ray.get(ref, timeout=60))
+            except Exception as e:
+                _log.debug("a peer's GPU ids: %r", e)
+        os.environ.update(shared_gpus([str(g) for g in own],
+                                      [[str(g) for g in i] for i in ids], local_rank, pick))
 
     def update_env_vars(self, env_vars: Dict[str, Any]) -> None:
         os.environ.update({k: str(v) for k, v in env_vars.items()})

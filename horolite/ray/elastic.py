@@ -27,6 +27,7 @@ from horolite.launcher.host_pool import Discovery
 from horolite.world.generations import JOIN, TIMEOUT, WORKER
 
 from . import actors
+from .gpus import user_picks_device
 from .layout import forwarded_settings
 from .ray_logger import Listener
 
@@ -92,6 +93,7 @@ class _RayWorker:
     def __init__(self, name: str, host: str, rank: int, actor, fn, on_user_error):
         self.name, self.host, self.rank, self.actor = name, host, rank, actor
         self.joining, self.evicted = False, None
+        self.gpus = None  # the ObjectRef of its GPU ids (with use_gpu)
         self._on_user_error = on_user_error
         self.ref = actor.execute.remote(fn)
         self.proc = _Outcome(self)
@@ -130,8 +132,12 @@ class _RayJob(_Driver):
             self.user_error = f"{worker.name} (host {worker.host})"
             self.user_error_raised = error
 
-    def _start(self, host: str, joining: bool, slots=None) -> _RayWorker:
+    def _start(self, host: str, joining: bool, slots=None, gpus=None) -> _RayWorker:
+        """A worker on `host`. With GPUs, it sees `gpus` (the ObjectRefs of its host's
+        workers' GPU ids, in local-rank order; generation 0) or, joining, those of its
+        host's members in rank order, then its own (where its local rank will be)."""
         index = len(self.workers)
+        actor = self._actor(host) if gpus is None else gpus[index][0]
         name = f"w{index}"
         slot = slots[index] if slots else gloo.RankSlot(index, host, 0, 1, 0, 1)
         env = gloo.rank_env(slot, len(slots) if slots else 1, self.address, self.server.port,
@@ -143,18 +149,40 @@ class _RayJob(_Driver):
                     env.pop(prefix + what, None)
             env[JOIN] = "1"
         ex = self.executor
-        actor = ray.remote(actors.Worker).options(
-            num_cpus=ex.cpus_per_worker, num_gpus=ex.gpus_per_worker,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(self.nodes.node_ids[host],
-                                                               soft=False)).remote()
         actor.update_env_vars.remote(dict(self.common_env, **env))
+        own = None
+        if ex.gpus_per_worker:
+            if gpus is not None:
+                own, order = gpus[index][1], [ref for _, ref in gpus[index][2]]
+            else:
+                own = actor.get_gpu_ids.remote()
+                order = [w.gpus for w in self.members if w.host == host] + [own]
+            actor.share_gpus.remote(own, order, slot.local_rank if not joining else
+                                    len(order) - 1, not user_picks_device())
         if self.listener.queue is not None:
             actor.set_queue.remote(self.listener.queue)
         actor.start_executable.remote(*ex.executable)
         worker = _RayWorker(name, host, index, actor, self.fn, self._user_error)
-        worker.joining = joining
+        worker.joining, worker.gpus = joining, own
         self.workers.append(worker)
         return worker
+
+    def _actor(self, host: str):
+        ex = self.executor
+        return ray.remote(actors.Worker).options(
+            num_cpus=ex.cpus_per_worker, num_gpus=ex.gpus_per_worker,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self.nodes.node_ids[host],
+                                                               soft=False)).remote()
+
+    def _first_actors(self, first: List[str]):
+        """Generation 0's actors, each with its GPU ids' ObjectRef and its host's (in
+        local-rank order), so each sees its host's GPUs before the training starts."""
+        if not self.executor.gpus_per_worker:
+            return None
+        started = [self._actor(h) for h in first]
+        refs = [a.get_gpu_ids.remote() for a in started]
+        return [(a, ref, [(h2, r2) for h2, r2 in zip(first, refs) if h2 == h])
+                for a, ref, h in zip(started, refs, first)]
 
     def _each_turn(self) -> None:
         self.listener.drain()
@@ -170,7 +198,9 @@ class _RayJob(_Driver):
             first = self._first_hosts()
             self.server.put(*HOSTS, "\n".join(first).encode())
             slots = gloo.slots_for(first)
-            self.members = [self._start(h, joining=False, slots=slots) for h in first]
+            gpus = self._first_actors(first)
+            self.members = [self._start(h, joining=False, slots=slots, gpus=gpus)
+                            for h in first]
             self._publish_plan(self.members)
             _log.info("elastic: generation 0: %d workers on %s", len(first),
                       ", ".join(f"{h}:{n}" for h, n in self._count(self.members).items()))

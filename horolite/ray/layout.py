@@ -11,6 +11,8 @@ import dataclasses
 import os
 from typing import Dict, List, Mapping, Sequence, Tuple
 
+from .gpus import shared_gpus, user_picks_device
+
 from horolite.core.settings import PREFIXES, WORLD
 from horolite.launcher.gloo import rank_env, slots_for
 
@@ -30,6 +32,7 @@ class NodeInfo:
     node_ip: str
     machine: str  # socket.gethostname(): the name the ranks group hosts by
     pid: int
+    gpu_ids: Tuple[str, ...] = ()  # what Ray gave this worker
 
     def label(self) -> str:
         return f"{self.node_ip} node {self.node_id[:8]}"
@@ -40,21 +43,25 @@ class Placed:
     worker: int  # index in the order Ray gave the workers
     rank: int
     node: NodeInfo
-    env: Dict[str, str]
+    env: Dict[str, str] = dataclasses.field(repr=False)  # (it holds the job's key)
 
 
 def place(nodes: Sequence[NodeInfo], rendezvous: Tuple[str, int], key: bytes,
           timeout: float, keep_order: bool = False) -> List[Placed]:
     """Each worker's rank and environment, in rank order. `keep_order`: worker i is rank
-    i (Ray Train numbers its workers itself); else each machine's ranks are consecutive."""
+    i (Ray Train numbers its workers itself); else each machine's ranks are consecutive.
+    Workers with GPUs see all of their machine's (gpus.py)."""
     machines = list(dict.fromkeys(n.machine for n in nodes))
     order = list(range(len(nodes))) if keep_order else \
         sorted(range(len(nodes)), key=lambda i: (machines.index(nodes[i].machine), i))
     slots = slots_for([nodes[i].machine for i in order])
+    gpus = {m: [nodes[i].gpu_ids for i in order if nodes[i].machine == m] for m in machines}
+    pick = not user_picks_device()
     placed = []
     for slot, i in zip(slots, order):
         env = rank_env(slot, len(nodes), rendezvous[0], rendezvous[1], timeout, key)
         env["HOROLITE_HOSTNAME"] = env["HOROVOD_HOSTNAME"] = nodes[i].label()
+        env.update(shared_gpus(nodes[i].gpu_ids, gpus[nodes[i].machine], slot.local_rank, pick))
         placed.append(Placed(i, slot.rank, nodes[i], env))
     return placed
 

@@ -2,8 +2,9 @@
 
 ``ray start`` starts both from this machine's venv (the ``ray`` command beside this
 Python), with 2 CPUs each and a custom resource naming the node, so a test can place
-work on either. One cluster serves the whole session (Ray's start takes seconds);
-``close()`` stops them with ``ray stop --force``.
+work on either. Node b also says it has 2 GPUs (Ray hands out their ids "0" and "1";
+no GPU is needed), so the GPU paths are tried on it. One cluster serves the whole
+session (Ray's start takes seconds); ``close()`` stops them with ``ray stop --force``.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ __all__ = ["RayCluster", "RayClusterFailed", "use_session_token"]
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 NODE_CPUS = 2
+NODE_B_GPUS = 2
 
 
 def use_session_token() -> None:
@@ -75,7 +77,8 @@ class RayCluster:
 
     def start_node_b(self) -> None:
         self._ray(["start", f"--address={self.address}", '--resources={"hl_node_b": 100}',
-                   f"--num-cpus={NODE_CPUS}", "--disable-usage-stats"])
+                   f"--num-cpus={NODE_CPUS}", f"--num-gpus={NODE_B_GPUS}",
+                   "--disable-usage-stats"])
 
     def node_b_raylet(self) -> int:
         """The pid of node b's raylet (the process named by its custom resource)."""

@@ -1,6 +1,8 @@
 """horolite.ray.HorovodConfig as a Ray Train backend (Ray Train V2, as Ray ships it): a
 tf.function tape loop and Keras fit, their weights checked against NumPy through the
-checkpoint rank 0 reports."""
+checkpoint rank 0 reports. The fit runs with ScalingConfig(use_gpu=True) on the node
+that says it has 2 GPUs, and checks that each worker sees both, in local-rank order."""
+import json
 import os
 import tempfile
 
@@ -13,6 +15,7 @@ from ray.train import Checkpoint, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer  # noqa: E402
 
 from horolite.ray import HorovodConfig  # noqa: E402
+from test_ray_gpus import check_each_rank_picks_its_own, what_a_rank_sees  # noqa: E402
 
 DIM, ROWS, STEPS, LR = 5, 8, 4, 0.1
 
@@ -72,6 +75,9 @@ def fit_loop(config):
     import tensorflow as tf
     import horolite.tensorflow.keras as hvd
     hvd.init()
+    if config.get("dir"):  # (what this rank sees of its node's GPUs)
+        with open(os.path.join(config["dir"], f"seen.{hvd.rank()}"), "w") as f:
+            json.dump(what_a_rank_sees(), f)
     x, y = data(hvd.rank())
     model = tf.keras.Sequential([tf.keras.Input((DIM,)),
                                  tf.keras.layers.Dense(1, use_bias=False,
@@ -83,14 +89,19 @@ def fit_loop(config):
     report_weights(model.get_weights()[0], hvd)
 
 
-@pytest.mark.parametrize("loop,np_", [(tape_loop, 3), (fit_loop, 2)], ids=["tape-np3", "fit-np2"])
-def test_ray_train_runs_a_horolite_loop(ray_cluster, loop, np_, tmp_path):
+@pytest.mark.parametrize("loop,np_,gpus", [(tape_loop, 3, False), (fit_loop, 2, True)],
+                         ids=["tape-np3", "fit-np2-gpus"])
+def test_ray_train_runs_a_horolite_loop(ray_cluster, loop, np_, gpus, tmp_path):
     trainer = DataParallelTrainer(
-        loop, backend_config=HorovodConfig(timeout_s=120),
-        scaling_config=ScalingConfig(num_workers=np_),
+        loop, train_loop_config={"dir": str(tmp_path) if gpus else None},
+        backend_config=HorovodConfig(timeout_s=120),
+        scaling_config=ScalingConfig(num_workers=np_, use_gpu=gpus),
         run_config=RunConfig(storage_path=str(tmp_path), name=loop.__name__))
     result = trainer.fit()
     assert result.error is None, result.error
+    if gpus:
+        check_each_rank_picks_its_own([json.loads((tmp_path / f"seen.{r}").read_text())
+                                       for r in range(np_)])
     with result.checkpoint.as_directory() as d:
         w = np.load(os.path.join(d, "w.npy"))
     np.testing.assert_allclose(w, numpy_weights(np_), rtol=1e-4, atol=1e-5)
