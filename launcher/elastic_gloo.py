@@ -32,7 +32,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from . import gloo
 from . import hosts as hostlib
@@ -66,7 +66,8 @@ class _Driver:
         self.pool = HostPool(discovery, ecfg.cooldown)
         self.workers: List[Worker] = []
         self.members: List[Worker] = []  # the current generation's, in rank order
-        self.user_error: Optional[str] = None
+        self.user_errors: List[Tuple[Worker, str]] = []  # (worker, what it said it raised)
+        self.user_error: Optional[str] = None  # (one a subclass found itself: the job ends)
         self.generation, self.resets = 0, 0
         self.stopping: Optional[int] = None
         self.changed = False  # members were evicted since the last plan
@@ -101,8 +102,23 @@ class _Driver:
 
     def _on_marker(self, worker: Worker, kind: str, fields: dict) -> None:
         if kind == "elastic" and fields.get("event") == "user-error":
-            self.user_error = self.user_error or \
-                f"{worker.name} (host {worker.host}): {fields.get('text', 'it raised')}"
+            self.user_errors.append((worker, fields.get("text", "it raised")))
+
+    def _training_code_error(self, blamed) -> Optional[str]:
+        """The first error a worker named as its training code's that is one: not from a
+        worker already evicted (stopped past the stall shutdown, cut off: whatever it
+        meets when it comes back is its world's end), nor from one the survivors blame
+        (it is evicted after its grace)."""
+        if self.user_error is not None:
+            return self.user_error
+        for worker, text in list(self.user_errors):
+            if worker.evicted is not None:
+                self.user_errors.remove((worker, text))
+                _log(f"{worker.name} (host {worker.host}) was already evicted ({worker.evicted}):"
+                     f" its error is not the training code's: {text}")
+            elif worker not in blamed:
+                return f"{worker.name} (host {worker.host}): {text}"
+        return None
 
     def _wanted(self, blacklisted_too: bool = False) -> Dict[str, int]:
         """Slots per host to fill (up to --max-np), in the pool's order."""
@@ -205,12 +221,14 @@ class _Driver:
             if self.stopping is not None:
                 _log(f"stopped by {signal.Signals(self.stopping).name}")
                 return 128 + self.stopping
-            if self.user_error is not None:
-                _log(f"the training code raised on {self.user_error}: an elastic job is not "
+            blamed = self._blamed()
+            user_error = self._training_code_error(blamed)
+            if user_error is not None:
+                _log(f"the training code raised on {user_error}: an elastic job is not "
                      "retried for an error of its own")
                 return 1
             lost = [(w, w.how()) for w in self.members if w.failed()]
-            for worker, why in self._blamed().items():
+            for worker, why in blamed.items():
                 if any(w is worker for w, _ in lost) or worker.proc.poll() is not None:
                     continue  # (its end says more than the blame: it is seen next turn)
                 first = self.blamed_at.setdefault(worker, time.monotonic())

@@ -24,7 +24,8 @@ from ..core import mpi_library
 from ..world import generations
 from .session import log
 
-__all__ = ["enabled", "generation", "rejoin", "newest_announced", "last_rejoin_seconds"]
+__all__ = ["enabled", "generation", "rejoin", "newest_announced", "world_moved_on",
+           "last_rejoin_seconds"]
 
 last_rejoin_seconds = 0.0  # how long the last move to a new generation took (logged too)
 
@@ -78,6 +79,17 @@ def newest_announced() -> int:
             if attempt:
                 raise
     raise AssertionError("unreachable")
+
+
+def world_moved_on() -> bool:
+    """Whether horolite-run announced a generation newer than this rank's world (so an
+    error this rank met is its world's end, not the training code's: it was evicted while
+    stopped, or its peers left). False when the rendezvous cannot say."""
+    from ..world.rendezvous import RendezvousError
+    try:
+        return newest_announced() > generation()
+    except (RendezvousError, OSError, ValueError):
+        return False
 
 
 def rejoin(error: Optional[BaseException]) -> int:

@@ -28,6 +28,11 @@ from ..api import basics
 from ..api.collectives import allgather, broadcast
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt, ShutdownError
 from ..failure.channel import caused_by_peer, describe_exception, launcher_marker
+from ..failure.links import LinkLost
+from ..world import generations
+from ..world.rendezvous import RendezvousError
+from ..world.sockets import Superseded
+from ..world.sockets_comm import SocketWorldError
 from . import in_process, protocol
 from .durable import CommitStore, decode
 from .session import current, log
@@ -36,12 +41,19 @@ from .state import State
 __all__ = ["run_fn", "resume", "is_runtime_failure"]
 
 _resumed = False
+# Errors of the runtime's own connections and of the job's rendezvous: never the training
+# code's (a rank that was stopped and evicted sees its peers' FENCE as LinkLost).
+_RUNTIME_ERRORS = (ShutdownError, HostsUpdatedInterrupt, LinkLost, SocketWorldError,
+                   RendezvousError, Superseded, generations.LeftOut)
 
 
 def is_runtime_failure(exc: BaseException) -> bool:
-    """True when `exc` says the job cannot go on (a peer lost, a stall, the runtime ended),
-    False for an error of the training code itself (its own exceptions, bad arguments)."""
-    if caused_by_peer(exc) or isinstance(exc, (ShutdownError, HostsUpdatedInterrupt)):
+    """True when `exc` says the job cannot go on (a peer lost, a stall, the runtime ended,
+    a connection or the rendezvous gone, or, in a job whose ranks recover in-process, a
+    world that has moved on to a newer generation), False for an error of the training
+    code itself (its own exceptions, bad arguments). The one place that tells them apart:
+    the launchers' drivers end a job for the second kind only."""
+    if caused_by_peer(exc) or isinstance(exc, _RUNTIME_ERRORS):
         return True
     rt = basics._current_runtime()
     if rt is not None:  # a framework's error (tf.errors.*) around the runtime's own
@@ -49,9 +61,11 @@ def is_runtime_failure(exc: BaseException) -> bool:
         if failures is not None and failures.heard is not None:
             return True  # another rank had failed first
         doomed = getattr(rt, "doomed", None)
-        if doomed is not None and (caused_by_peer(doomed) or isinstance(doomed, ShutdownError)):
+        if doomed is not None and (caused_by_peer(doomed) or isinstance(doomed, _RUNTIME_ERRORS)):
             return True  # not this rank's own exception: a stall, a peer gone
-    return isinstance(exc, HorovodInternalError) and not isinstance(exc, ValueError)
+    if isinstance(exc, HorovodInternalError) and not isinstance(exc, ValueError):
+        return True
+    return in_process.enabled() and in_process.world_moved_on()
 
 
 def resume(state: State) -> Optional[tuple]:
@@ -179,5 +193,5 @@ def _excepthook(exc_type, exc, tb):
 
 
 _previous_hook = sys.excepthook
-if current() is not None:
+if current() is not None or generations.worker() is not None:  # (horolite-run's elastic jobs)
     sys.excepthook = _excepthook

@@ -195,6 +195,39 @@ def test_ranks_that_hang_are_named_and_evicted_ten_times_in_a_row(start, tmp_pat
     assert not set(stopped) & set(check_finals(tmp_path, proc, err))
 
 
+def _parent(pid_):
+    with open(f"/proc/{pid_}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_paused_worker_evicted_then_resumed_ends_quietly_and_the_job_goes_on(start, tmp_path):
+    # A paused VM: the rank and its wrapper stop past the stall shutdown, the survivors
+    # evict it and go on, then it resumes: it meets its peers' FENCE (LinkLost), finds at
+    # the rendezvous that it was left out and ends; the job is not ended for it.
+    proc = start_job(start, tmp_path, 3, 2, env={"HOROLITE_STALL_CHECK_TIME_SECONDS": "1",
+                                                 "HOROLITE_STALL_SHUTDOWN_TIME_SECONDS": "2",
+                                                 "HOROLITE_LOG_LEVEL": "INFO"})
+    until(lambda: full_world(tmp_path, 3), proc, "generation 0")
+    rank_pid = pid(tmp_path, "w0")  # (rank 0: the others' sync source until it is evicted)
+    wrapper = _parent(rank_pid)
+    for p_ in (wrapper, rank_pid):
+        os.kill(p_, signal.SIGSTOP)
+    try:
+        until(lambda: _newest(tmp_path) > 0 and "w0" not in stepping(tmp_path), proc,
+              "the world without w0")
+    finally:
+        os.kill(rank_pid, signal.SIGCONT)
+        time.sleep(2)  # (the driver's SIGTERM waits at the stopped wrapper meanwhile)
+        os.kill(wrapper, signal.SIGCONT)
+    until(lambda: full_world(tmp_path, 3), proc, "a new worker's join")
+    err = finish(proc, tmp_path)
+    assert re.search(r"rank 0 \(w0, host localhost\) was named by w\d as a rank it lost", err), \
+        err[-3000:]
+    assert re.search(r"w0 is not in generation \d+ of the job; this worker ends", err), err[-3000:]
+    assert "the training code raised" not in err, err[-3000:]
+    assert sorted(check_finals(tmp_path, proc, err)) == ["w1", "w2", "w3"]
+
+
 def test_a_failure_while_the_world_forms_again_ten_times_in_a_row(start, tmp_path):
     np_ = 4
     proc = start_job(start, tmp_path, np_, 2)
