@@ -77,6 +77,20 @@ def test_torchrun_variables_start_a_job(n, tmp_path):
     assert "identity from torchrun" in outs[0], outs[0][-2000:]  # (said once, at INFO)
 
 
+def test_a_pair_quiet_for_15_s_is_not_lost(tmp_path):
+    # With the stall check off nothing crosses the world's connections between the two
+    # allreduces: only a connection without a timeout survives the silence.
+    port = free_port()
+    script = os.path.join(ROOT, "tests", "world_rank", "quiet_then_reduce.py")
+    procs = [subprocess.Popen([sys.executable, script, str(tmp_path), "15"], cwd=ROOT,
+                              env=dict(torchrun_env(r, 2, port), HOROLITE_STALL_CHECK_DISABLE="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)[-4000:]
+    assert marks(tmp_path, 2) == ["0 2 quiet ok", "1 2 quiet ok"]
+
+
 def test_pytorchjob_one_rank_per_pod(tmp_path):
     # PyTorchJob gives each pod RANK, WORLD_SIZE, MASTER_ADDR/PORT and no LOCAL_*: one rank
     # per pod, each its own host as far as it knows.

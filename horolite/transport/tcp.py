@@ -42,14 +42,7 @@ __all__ = ["choose", "TcpMesh", "open_mesh", "attach", "SetupError"]
 
 _log = logging.getLogger("horolite.transport.tcp")
 
-# Socket buffers asked for: one 1 MiB piece in flight several times over (Gloo asks up
-# to 32 MiB). Asked only where the kernel's maximum allows it: an explicit size below
-# that maximum would turn the kernel's own tuning (up to tcp_rmem's top) off.
-BUFFER_BYTES = 8 << 20
-# A connection silent this long (keepalives unanswered, or data unacknowledged) is ended:
-# longer than a link outage a job survives (the multi-host tests take links down for 20
-# and 75 s; inside a collective the stall inspector speaks first, naming the silent ranks).
-HALF_OPEN_SECONDS = 180
+# (An established connection's settings, keepalives and buffers: tcp_hello.settle.)
 # Where ranks of one machine reach each other when no interface is named.
 LOOPBACK = "127.0.0.1"
 
@@ -120,26 +113,6 @@ def listen(binds: Sequence[str], ports: str) -> List[socket.socket]:
                 sock.close()
     raise OSError(f"no free port in HOROLITE_TCP_PORT_RANGE={ports} on {', '.join(binds)} "
                   f"(last: {last.strerror if last else '?'})")
-
-
-def _tune(sock: socket.socket) -> None:
-    """No Nagle; keepalives (and a limit on unacknowledged data) end a connection whose far
-    host vanished without a FIN after HALF_OPEN_SECONDS; large buffers where the kernel
-    allows them."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for opt, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 15), ("TCP_KEEPCNT", 8),
-                       ("TCP_USER_TIMEOUT", 1000 * HALF_OPEN_SECONDS)):
-        if hasattr(socket, opt):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
-    for opt, limit in ((socket.SO_SNDBUF, "wmem_max"), (socket.SO_RCVBUF, "rmem_max")):
-        try:
-            with open(f"/proc/sys/net/core/{limit}") as f:
-                allowed = int(f.read())
-        except (OSError, ValueError):
-            continue
-        if allowed >= BUFFER_BYTES:
-            sock.setsockopt(socket.SOL_SOCKET, opt, BUFFER_BYTES)
 
 
 class TcpMesh:
@@ -255,8 +228,7 @@ def open_mesh(comm: MPI.Comm, wanted: Sequence[int], hostnames: Sequence[str], w
     _meshes.add(mesh)
     for q, pair in socks.items():
         for sock in pair:
-            sock.settimeout(None)
-            _tune(sock)
+            tcp_hello.settle(sock)  # (done by the hello already; kept for every path)
         mesh.peers[q] = Peer(rank, q, where(q), pair, mesh.changed, mesh._lost, express=True)
         _log.debug("rank %d: connected to %s at %s, %d stream(s)", rank, where(q),
                    pair[0].getpeername()[0], streams - 1)
@@ -277,28 +249,21 @@ def _connect(rank, q, theirs, info, machine, same_machine, streams, key, deadlin
         their_addrs = [tcp_address.Address(*a) for a in theirs["addrs"]]
         candidates = tcp_address.order_for(info["addrs"], their_addrs, theirs["named"])
     port, tried = theirs["port"], []
-    for i, addr in enumerate(candidates):
-        socks: List[socket.socket] = []
-        try:
-            for s in range(streams):
-                left = deadline - time.monotonic()
-                # A wrong address usually refuses at once; one that drops the connect gets
-                # a share of what is left, so the ones after it are still tried.
-                budget = max(0.1, left / (len(candidates) - i) if s == 0 else left)
-                socks.append(tcp_hello.connect(addr, port, rank, q, s, key, budget))
-            _log.info("rank %d: connected to %s at %s (%s)", rank, where(q), addr,
-                      f"tried {', '.join(candidates[:i + 1])} of {', '.join(candidates)}"
-                      if len(candidates) > 1 else "its only address")
-            return socks
-        except (OSError, tcp_hello.HelloRefused) as e:
-            for sock in socks:
-                sock.close()
-            if isinstance(e, socket.timeout):
+    try:
+        socks, addr = tcp_hello.dial(candidates, port, rank, q, key, deadline, streams,
+                                     cycle=False)
+        _log.info("rank %d: connected to %s at %s (%s)", rank, where(q), addr,
+                  f"tried {', '.join(candidates[:candidates.index(addr) + 1])} of "
+                  f"{', '.join(candidates)}" if len(candidates) > 1 else "its only address")
+        return socks
+    except tcp_hello.Unreachable as e:
+        for addr, error in e.tried.items():
+            if isinstance(error, socket.timeout):
                 within = (f"{timeout:g} s (HOROLITE_TCP_TIMEOUT_SECONDS)" if len(candidates) == 1
-                          else f"{budget:.1f} s (of HOROLITE_TCP_TIMEOUT_SECONDS={timeout:g})")
+                          else f"its share of HOROLITE_TCP_TIMEOUT_SECONDS={timeout:g}")
                 why = f"no answer within {within}: a firewall dropping it, or no route?"
             else:
-                why = getattr(e, "strerror", None) or str(e)
+                why = tcp_hello.reason(error)
             tried.append(f"{addr}:{port}: {why}")
     if not candidates:
         raise SetupError(f"{where(rank)} could not connect to {where(q)}: it offers no "

@@ -18,7 +18,7 @@ import time
 from typing import Dict, List, Optional
 
 from ..transport import tcp_address
-from ..transport.tcp_hello import Acceptor, HelloRefused, connect
+from ..transport.tcp_hello import Acceptor, Unreachable, dial
 from . import codec, kept_links
 from .sockets_comm import (BAND, BOR, BYTE, COMM_NULL, COMM_TYPE_SHARED, IN_PLACE, LAND, LOR,
                            MAX, MIN, SUM, UNDEFINED, Comm, Group, Op, SocketWorldError, Win,
@@ -234,23 +234,20 @@ def _close_all(socks) -> None:
 
 def _dial(rank: int, q: int, peer: dict, mine, machine: str, key: bytes, deadline: float,
           where, moot=None) -> socket.socket:
+    """The connection to rank q (below this rank): every address it offers, in turn, each
+    attempt capped (tcp_hello.dial), until the deadline."""
     theirs = [tcp_address.Address(*a) for a in peer["addresses"]]
     candidates = (["127.0.0.1"] if peer["machine"] == machine else []) + \
         tcp_address.order_for(mine, theirs, peer["by_name"])
-    tried = []
-    while True:
-        for addr in candidates:
-            try:
-                return connect(addr, peer["port"], rank, q, 0, key,
-                               max(0.5, deadline - time.monotonic()))
-            except (OSError, HelloRefused) as e:
-                tried.append(f"{addr}: {e}")
+
+    def superseded():
         if moot is not None and moot():
             raise Superseded(f"a newer generation replaced the one {where(q)} was in")
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"rank {rank} could not reach {where(q)} at any of "
-                               f"{candidates} port {peer['port']}: " + "; ".join(tried[-3:]))
-        time.sleep(0.05)
+    try:
+        return dial(candidates, peer["port"], rank, q, key, deadline, moot=superseded)[0][0]
+    except Unreachable as e:
+        raise TimeoutError(f"rank {rank} could not reach {where(q)} at any of "
+                           f"{candidates} port {peer['port']}: {e}") from None
 
 
 def check_lost() -> None:

@@ -23,6 +23,7 @@ import time
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from ..failure.links import LinkLost
+from ..transport.tcp_hello import settle
 from .requests import ANY_SOURCE, RecvRequest, Request
 
 __all__ = ["Mesh", "HEADER", "close_socket", "read_into"]
@@ -30,7 +31,9 @@ __all__ = ["Mesh", "HEADER", "close_socket", "read_into"]
 _log = logging.getLogger("horolite.world")
 
 HEADER = struct.Struct("<Qqq")  # communicator context, tag, payload bytes
-MAX_MESSAGE = 1 << 40
+# The largest message a header may announce: above any one tensor a job sends (a model
+# broadcast whole), and small enough that a garbled header is named, not allocated.
+MAX_MESSAGE = 64 << 30
 FENCE = (1 << 64) - 1  # (a context no communicator has: "nothing more of this world")
 # How long leaving a world waits for a send to a peer already under way before it gives
 # that connection up instead of keeping it (a peer that stopped reading).
@@ -57,8 +60,7 @@ class Mesh:
         self._fenced: set = set()  # peers whose FENCE was read: they left this world
         self._reader_ended = {q: threading.Event() for q in self._socks}
         for q, sock in self._socks.items():
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            settle(sock)  # (no timeout: a quiet peer is not a lost one; keepalives)
             t = threading.Thread(target=self._read, args=(q, sock), daemon=True,
                                  name=f"horolite-world-recv-{rank}-from-{q}")
             t.start()
@@ -92,8 +94,13 @@ class Mesh:
                 sock.sendall(HEADER.pack(context, tag, len(view)))
                 if len(view):
                     sock.sendall(view)
-        except OSError as e:
-            error = self._lose(dest, f"sending failed: {e}")
+        except BaseException as e:  # (a send cut off mid-frame: the stream is garbled)
+            why = str(e) or type(e).__name__
+            if not isinstance(e, OSError):
+                why = f"{type(e).__name__}: {why}"
+            error = self._lose(dest, f"sending failed: {why}")
+            if not isinstance(e, OSError):
+                raise
             raise error from None
 
     # -- receiving --
@@ -187,9 +194,14 @@ class Mesh:
                     else:
                         self._fill(req, q, data)
                     self._bump()
-        except (OSError, ValueError) as e:
+        except BaseException as e:  # (any failure of the reader fails the peer's receives)
             if not self._closing:
-                error = self._lose(q, str(e) or type(e).__name__)
+                why = str(e) or type(e).__name__
+                if not isinstance(e, (OSError, ValueError)):
+                    why = f"its reader failed ({type(e).__name__}: {why})"
+                    _log.error("rank %d: the reader of %s failed", self.rank, self.where(q),
+                               exc_info=True)
+                error = self._lose(q, why)
                 if req is not None and not req.done:  # (claimed, so not among the posted
                     with self._lock:                  # receives that _lose fails)
                         req.error, req.done = error, True
