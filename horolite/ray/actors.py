@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import Any, Callable, Dict, Optional
 
 import ray
@@ -20,6 +21,9 @@ from .layout import NodeInfo
 __all__ = ["Worker", "Rendezvous", "node_info"]
 
 _log = logging.getLogger("horolite.ray")
+# How long a worker whose function returned, while another rank's raised, waits to hear
+# of that failure before it shuts horolite down anyway (settle()).
+NOTICE_SECONDS = 2.0
 
 
 def node_info() -> NodeInfo:
@@ -29,18 +33,32 @@ def node_info() -> NodeInfo:
                     tuple(str(g) for g in ray.get_gpu_ids()))
 
 
-def settle_after_failure() -> None:
-    """After the training function raised: if horolite's runtime cannot go on (a peer
-    died), shut it down here, so the worker stays alive for Ray to report the error (a
-    doomed rank otherwise ends its process a few seconds later) and can start again."""
+def settle_after_failure(error: BaseException = None) -> None:
+    """After the training function raised: tell the other ranks, as an uncaught exception
+    does under horolite-run (their collectives fail at once, naming this rank, instead of
+    waiting for it), then shut horolite's runtime down here, so the worker stays alive for
+    Ray to report the error (a doomed rank otherwise ends its process a few seconds later)
+    and the next run() can call hvd.init() again."""
     import horolite
     from horolite.runtime import registry
     runtime = registry.current() if horolite.is_initialized() else None
-    if runtime is not None and runtime.doomed is not None:
+    if runtime is None:
+        return
+    if error is not None and runtime.doomed is None and runtime.size > 1:
         try:
-            horolite.shutdown()
+            runtime.report_exception(error, error.__traceback__)
         except Exception as e:  # (the error Ray reports is the training function's)
-            _log.debug("shutdown after the failure: %r", e)
+            _log.debug("telling the other ranks: %r", e)
+    elif error is None and runtime.doomed is None:
+        # (a rank whose function returned while another's raised: the notice is on its
+        # way; a runtime that never hears it still stops, the others having stopped)
+        deadline = time.monotonic() + NOTICE_SECONDS
+        while runtime.doomed is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    try:
+        horolite.shutdown()
+    except Exception as e:
+        _log.debug("shutdown after the failure: %r", e)
 
 
 class Worker:
@@ -91,9 +109,14 @@ class Worker:
     def execute(self, fn: Callable[[Any], Any]) -> Any:
         try:
             return fn(self.executable)
-        except BaseException:
-            settle_after_failure()
+        except BaseException as e:
+            settle_after_failure(e)
             raise
+
+    def settle(self) -> None:
+        """After another rank's function failed: stop horolite here too (every rank then
+        starts a new world at the next run()'s hvd.init())."""
+        settle_after_failure()
 
     def set_queue(self, queue) -> None:
         """Where ray_logger.log() sends (None: nowhere)."""

@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import (get_current_placement_group, placement_group,
                                       remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -254,6 +254,10 @@ class RayExecutor:
                 raised.append((rank, e))
             if (died or raised) and deadline is None:
                 deadline = time.monotonic() + float(self.settings.timeout_s)
+        if died or raised:
+            self._settle([r for r in range(len(refs)) if r not in died and
+                          r not in pending and all(r != q for q, _ in raised)])
+        raised.sort(key=lambda item: _told_by_a_peer(item[1]))  # (the cause's rank first)
         if died:
             rank, cause = min(died.items())
             where = self.placed[rank].node.label() if rank < len(self.placed) else "?"
@@ -271,6 +275,16 @@ class RayExecutor:
             raise raised[0][1]
         return results
 
+    def _settle(self, ranks: List[int]) -> None:
+        """Ranks whose function returned while another's failed stop horolite too, so
+        that each starts a new world at the next run() (those that raised did already)."""
+        workers = self._live_workers() if self._elastic is None else []
+        try:
+            ray.get([workers[r].settle.remote() for r in ranks if r < len(workers)],
+                    timeout=float(self.settings.timeout_s))
+        except Exception as e:  # (one died meanwhile: the error raised says what failed)
+            _log.debug("settling the workers after a failure: %r", e)
+
     def shutdown(self):
         """End the workers and the rendezvous, and give back the placement group."""
         if self._elastic is not None:
@@ -284,6 +298,13 @@ class RayExecutor:
         if self._group is not None and self._own_group:
             remove_placement_group(self._group)
         self._group = None
+
+
+def _told_by_a_peer(error: BaseException) -> bool:
+    """A rank's error that only says another rank failed (HorovodInternalError), not
+    the failure itself (Ray's RayTaskError wraps what the function raised as `cause`)."""
+    cause = getattr(error, "cause", None) if isinstance(error, RayTaskError) else error
+    return isinstance(cause or error, HorovodInternalError)
 
 
 def _first_line(error: BaseException, limit: int = 200) -> str:

@@ -176,20 +176,37 @@ def test_callbacks_get_what_rank_0_logs_while_the_job_runs(ray_cluster, np_):
         executor.shutdown()
 
 
-def test_run_raises_the_training_functions_own_error(ray_cluster):
-    executor = RayExecutor(RayExecutor.create_settings(), num_workers=2)
-    executor.start()
-
-    def bad():
-        import horolite as hvd
-        hvd.init()
-        if hvd.rank() == 1:
+def bad_at_step_3():
+    import horolite as hvd
+    hvd.init()
+    for step in range(100000):
+        hvd.allreduce(np.ones(4), name="grad")
+        if step == 3 and hvd.rank() == 1:
             raise ValueError("bad batch on rank 1")
-        return hvd.rank()
+        time.sleep(0.01)
+    return hvd.rank()
+
+
+def summed():
+    import horolite as hvd
+    hvd.init()
+    return float(hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum, name="again")[0])
+
+
+def test_run_raises_one_ranks_error_at_once_and_runs_again(ray_cluster):
+    """Rank 1 raises in the middle of training: rank 0's allreduce fails at once (as
+    under horolite-run), run() raises rank 1's own error long before timeout_s, and
+    the next run() forms a new world on the same workers."""
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    executor.start()
     try:
+        started = time.monotonic()
         with pytest.raises(ValueError, match="bad batch on rank 1"):
-            executor.run(bad)
-        assert isinstance(executor.execute(lambda w: 1), list)  # both workers still there
+            executor.run(bad_at_step_3)
+        took = time.monotonic() - started
+        assert took < 30, took  # (not a timing target: nobody waits for timeout_s, 60 s)
+        assert executor.run(summed) == [3.0, 3.0]
+        assert executor.execute(lambda w: 1) == [1, 1]
     finally:
         executor.shutdown()
 
