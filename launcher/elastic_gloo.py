@@ -42,13 +42,24 @@ from .host_pool import DiscoveryScript, FixedHosts, HostPool, assign
 # scope of the plans, the blame and the newcomers: the ranks' side defines them.
 from horolite.world.generations import JOIN, SCOPE, TIMEOUT, WORKER
 
-__all__ = ["run_elastic_gloo"]
+__all__ = ["run_elastic_gloo", "stall_shutdown_default"]
 POLL_SECONDS = 0.02
 DISCOVERY_SECONDS = 1.0  # Horovod asks its discovery script about once a second
 # A worker the survivors name as lost whose process has not ended this long after is
 # taken for hung (stopped, or on a host cut off) and ended.
 BLAME_GRACE_SECONDS = 0.25
 STOP_SECONDS = 5.0  # how long workers have to end at the job's end (SIGTERM, then SIGKILL)
+# A rank that hangs (stopped, a deadlock, a host cut off) is named by the others after
+# this long inside a collective, and evicted, unless the job sets its own stall shutdown.
+STALL_SHUTDOWN_SECONDS = 60.0
+_STALL_SHUTDOWN = ("HOROLITE_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+
+
+def stall_shutdown_default(env: Dict[str, str], environ: Dict[str, str]) -> None:
+    """Give a worker's environment `env` the elastic default stall shutdown, unless the
+    job's environment or horolite-run's flags set one (0 keeps Horovod's: no shutdown)."""
+    if not any(name in env or name in environ for name in _STALL_SHUTDOWN):
+        env[_STALL_SHUTDOWN[0]] = f"{STALL_SHUTDOWN_SECONDS:g}"
 
 
 def _log(message: str) -> None:
@@ -90,6 +101,7 @@ class _Driver:
                                self.server.port, self.key, self.environ, self.cwd)["ranks"]
         spec = spec[index] if len(spec) > 1 else spec[0]
         spec["env"].update({WORKER: name, TIMEOUT: f"{self.ecfg.timeout:g}"})
+        stall_shutdown_default(spec["env"], self.environ)
         if joining:  # (its place comes with the plan that adds it; the prefix is its number)
             for prefix in ("HOROLITE_", "HOROVOD_"):
                 for what in ("SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"):

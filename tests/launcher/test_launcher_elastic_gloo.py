@@ -254,6 +254,22 @@ def test_an_error_of_the_training_code_ends_the_job(start, tmp_path):
     assert not wait_until_gone(str(tmp_path), 5)
 
 
+@pytest.mark.parametrize("flag, raised", [
+    ("--typo-at-setup", r"rank \d raised AttributeError: .*brodcast_object"),
+    ("--raise-after-train", r"rank 1 raised ValueError: no checkpoint directory after step 6")])
+def test_an_error_outside_run_ends_the_job_with_it(start, tmp_path, flag, raised):
+    # (as over MPI: a typo at set-up is not retried with new workers for ever, and an
+    # error after train() returns is not dropped)
+    proc = start("--gloo", "-np", 2, "--min-np", 1, sys.executable, IN_PROCESS, tmp_path,
+                 "--steps", 6, "--sleep", 0, flag, env=NO_MPI)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    assert re.search(r"the training code raised on w\d \(host localhost\): " + raised +
+                     ".*not retried", err), err[-3000:]
+    assert "starts on localhost, to join" not in err, err[-3000:]
+    assert not wait_until_gone(str(tmp_path), 5)
+
+
 def test_below_min_np_the_survivor_waits_for_a_new_worker(start, tmp_path):
     proc = start_job(start, tmp_path, 2, 2)
     until(lambda: full_world(tmp_path, 2), proc, "generation 0")

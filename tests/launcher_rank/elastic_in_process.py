@@ -25,6 +25,10 @@ def main():
     p.add_argument("--commit-every", type=int, default=3)
     p.add_argument("--sleep", type=float, default=0.05, help="seconds per step")
     p.add_argument("--raise-at", type=int, default=-1, help="rank 1 raises at this step")
+    p.add_argument("--typo-at-setup", action="store_true",
+                   help="every rank raises AttributeError after hvd.init(), outside run")
+    p.add_argument("--raise-after-train", action="store_true",
+                   help="rank 1 raises ValueError after train() returns")
     p.add_argument("--until-file", help="every rank stops at the first step after it exists")
     p.add_argument("--fail-first-join", metavar="FILE",
                    help="the first worker started to join fails at once (it creates FILE)")
@@ -41,6 +45,8 @@ def main():
     from horolite.elastic import in_process
     hvd.init()
     me = os.environ["HOROLITE_ELASTIC_WORKER"]
+    if args.typo_at_setup:
+        hvd.brodcast_object  # (a typo: AttributeError)
     out = lambda name: os.path.join(args.outdir, f"{name}.{me}")  # noqa: E731
     with open(out("pid"), "w") as f:
         f.write(str(os.getpid()))
@@ -75,6 +81,8 @@ def main():
                     break
 
     train(state)
+    if args.raise_after_train and hvd.rank() == 1:
+        raise ValueError(f"no checkpoint directory after step {state.step}")
     np.save(out("final") + ".npy", state.w)
     with open(out("final_step"), "w") as f:
         f.write(str(state.step))

@@ -77,3 +77,17 @@ def test_the_error_of_a_worker_already_evicted_is_not_the_training_codes():
     d._on_marker(w1, "elastic", {"event": "user-error", "text": "rank 0 raised ValueError: y"})
     assert d._training_code_error({w1: "blamed"}) is None  # (evicted after its grace)
     assert d._training_code_error({}) == "w1 (host a): rank 0 raised ValueError: y"
+
+
+def test_a_hung_rank_is_bounded_by_default_in_elastic_jobs():
+    env = {}
+    eg.stall_shutdown_default(env, {})
+    assert env == {"HOROLITE_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+    for given in ({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"},
+                  {"HOROLITE_STALL_SHUTDOWN_TIME_SECONDS": "5"}):
+        env = dict(given)  # (from horolite-run's flags)
+        eg.stall_shutdown_default(env, {})
+        assert env == given
+        env = {}  # (from the job's environment)
+        eg.stall_shutdown_default(env, given)
+        assert env == {}
