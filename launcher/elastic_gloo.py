@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Tuple
 
 from . import gloo
 from . import hosts as hostlib
-from .elastic_workers import Worker, plan_for
+from .elastic_workers import Worker, free_slot, plan_for
 from .host_pool import DiscoveryScript, FixedHosts, HostPool, assign
 # What the ranks read (the worker's name, joining, the wait for a world) and the rendezvous
 # scope of the plans, the blame and the newcomers: the ranks' side defines them.
@@ -48,6 +48,9 @@ DISCOVERY_SECONDS = 1.0  # Horovod asks its discovery script about once a second
 # A worker the survivors name as lost whose process has not ended this long after is
 # taken for hung (stopped, or on a host cut off) and ended.
 BLAME_GRACE_SECONDS = 0.25
+# Without --reset-limit: the job fails after this many failures in a row with no commit
+# between them (a crash that comes back at the same batch whoever runs it).
+FAILURES_WITHOUT_COMMIT = 10
 STOP_SECONDS = 5.0  # how long workers have to end at the job's end (SIGTERM, then SIGKILL)
 # A rank that hangs (stopped, a deadlock, a host cut off) is named by the others after
 # this long inside a collective, and evicted, unless the job sets its own stall shutdown.
@@ -84,6 +87,8 @@ class _Driver:
         self.changed = False  # members were evicted since the last plan
         self.blamed_at: Dict[Worker, float] = {}
         self.said: List[str] = []  # why, for the next plan's log line
+        self.holders: set = set()  # workers that hold the training state (synced once)
+        self.failures_in_a_row, self.last_commit = 0, b""
 
     # --- starting workers ---
     def _address(self, host: str) -> str:
@@ -107,10 +112,17 @@ class _Driver:
                 for what in ("SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"):
                     spec["env"].pop(prefix + what, None)
             spec["env"][JOIN] = "1"
+        slot = slots[index].local_rank if not joining else self._free_slot(host)
         worker = Worker(name, spec, self.cwd, self._on_marker)
-        worker.joining = joining
+        worker.joining, worker.slot = joining, slot
         self.workers.append(worker)
         return worker
+
+    def _free_slot(self, host: str) -> int:
+        """The local rank a new worker on `host` takes: the lowest that no member or
+        other new worker there holds (a failed worker's), so that survivors keep theirs."""
+        return free_slot([w.slot for w in self.members + self._pending()
+                          if w.host == host and getattr(w, "slot", None) is not None])
 
     def _on_marker(self, worker: Worker, kind: str, fields: dict) -> None:
         if kind == "elastic" and fields.get("event") == "user-error":
@@ -196,10 +208,14 @@ class _Driver:
         return found
 
     def _publish_plan(self, workers) -> None:
-        plan = plan_for(self.generation, [w.name for w in workers], {w.name: w.host for w in workers})
+        slots = {w.name: getattr(w, "slot", None) for w in workers}
+        plan = plan_for(self.generation, [w.name for w in workers], {w.name: w.host for w in workers},
+                        None if None in slots.values() else slots)
         self.server.put(SCOPE, f"plan.{self.generation}", json.dumps(plan).encode())
         self.server.put(SCOPE, "latest", str(self.generation).encode())
         self.ranked = list(workers)  # (what a blame's rank numbers mean)
+        if self.generation == 0:
+            self.holders = set(workers)  # (the initial state, whatever they do first)
         for rank, w in enumerate(workers):
             w.rank = rank
 
@@ -249,6 +265,9 @@ class _Driver:
                     lost.append((worker, why))
             if lost:
                 self._evict(lost)
+                code = self._state_lost()
+                if code is not None:
+                    return code
             self._newcomers_that_failed()
             if time.monotonic() >= next_discovery:
                 next_discovery = time.monotonic() + DISCOVERY_SECONDS
@@ -296,6 +315,32 @@ class _Driver:
                 if w in self.members:
                     self.members.remove(w)
                 _log(f"{w.name} (host {w.host}) {w.evicted}")
+
+    def _state_lost(self) -> Optional[int]:
+        """1 when no member left holds the training state (every one that did was lost):
+        newcomers would train again from their initial values, losing every commit."""
+        synced = self._said("synced")
+        self.holders.update(w for w in self.workers if w.name in synced)
+        if any(w in self.holders for w in self.members):
+            return None
+        _log(f"generation {self.generation}: {'; '.join(self.said)}: no worker left holds the "
+             "training state (every member that held its last commit was lost); the job fails "
+             "rather than train again from the initial values")
+        return 1
+
+    def _progress(self, failed: bool) -> Optional[str]:
+        """Why the job must end for failures that repeat with no commit between them (the
+        default bound when --reset-limit is not given), or None."""
+        commit = self.server.items(SCOPE).get("commit", b"")
+        if commit != self.last_commit:
+            self.last_commit, self.failures_in_a_row = commit, 0
+        if not failed:
+            return None
+        self.failures_in_a_row += 1
+        if self.ecfg.reset_limit is None and self.failures_in_a_row > FAILURES_WITHOUT_COMMIT:
+            return (f"that is failure {self.failures_in_a_row} in a row with no commit between "
+                    f"them (more than {FAILURES_WITHOUT_COMMIT} without --reset-limit)")
+        return None
 
     def _evict(self, lost) -> None:
         for worker, why in lost:
@@ -350,6 +395,10 @@ class _Driver:
             [f"{w.name} (host {w.host}) joins" for w in ready]
         self.said, self.changed = [], False
         self.resets += 1
+        repeated = self._progress(failed)
+        if repeated is not None:
+            _log(f"generation {self.generation}: {'; '.join(said)}; {repeated}: the job fails")
+            return 1
         if self.ecfg.reset_limit is not None and self.resets > self.ecfg.reset_limit:
             _log(f"generation {self.generation}: {'; '.join(said)}; that is reset "
                  f"{self.resets}, more than --reset-limit {self.ecfg.reset_limit}: the job fails")

@@ -18,16 +18,34 @@ from typing import Dict, List, Optional
 from . import gloo
 from .markers import marker_line, parse_marker
 
-__all__ = ["Worker", "plan_for"]
+__all__ = ["Worker", "plan_for", "free_slot"]
 
 
-def plan_for(generation: int, workers: List[str], hosts: Dict[str, str]) -> dict:
-    """Generation `generation`'s world: `workers` in rank order, each placed as
-    gloo.layout places ranks (local and cross ranks from the hosts)."""
-    slots = gloo.slots_for([hosts[w] for w in workers])
+def plan_for(generation: int, workers: List[str], hosts: Dict[str, str],
+             slots: Optional[Dict[str, int]] = None) -> dict:
+    """Generation `generation`'s world: `workers` in rank order. A worker's local rank is
+    its slot on its host (`slots`: kept for its life, so the GPU it pinned stays its own),
+    or, without `slots`, its place among this plan's workers there (gloo.layout's way);
+    a host's local size covers its highest slot, and cross ranks count the ranks with
+    the same local rank, in rank order."""
+    names = [hosts[w] for w in workers]
+    local = [slots[w] for w in workers] if slots else \
+        [s.local_rank for s in gloo.slots_for(names)]
+    size: Dict[str, int] = {}
+    for name, lr in zip(names, local):
+        size[name] = max(size.get(name, 0), lr + 1, names.count(name))
+    same_local: Dict[int, List[int]] = {}
+    for rank, lr in enumerate(local):
+        same_local.setdefault(lr, []).append(rank)
     return {"generation": generation, "size": len(workers),
-            "ranks": [dict(dataclasses.asdict(slot), worker=w)
-                      for w, slot in zip(workers, slots)]}
+            "ranks": [dict(dataclasses.asdict(gloo.RankSlot(
+                rank, name, lr, size[name], same_local[lr].index(rank), len(same_local[lr]))),
+                worker=w) for rank, (w, name, lr) in enumerate(zip(workers, names, local))]}
+
+
+def free_slot(taken: List[int]) -> int:
+    """The lowest local rank of a host that no worker there holds."""
+    return next(k for k in range(len(taken) + 1) if k not in taken)
 
 
 class Worker:
@@ -37,6 +55,7 @@ class Worker:
         self.name, self.host, self.rank = name, spec["host"], spec["rank"]
         self.remote = spec["remote"]
         self.joining = False  # started after generation 0, to join at a commit
+        self.slot: Optional[int] = None  # its local rank on its host, for its life
         self.evicted: Optional[str] = None  # why, once evicted
         env = None if self.remote else dict(os.environ, **spec["env"])
         self.proc = subprocess.Popen(spec["argv"], env=env, stdout=subprocess.PIPE,

@@ -64,9 +64,23 @@ def split_by_host(comm: MPI.Comm) -> MPI.Comm:
     """A communicator of the ranks of `comm` on this rank's host, ordered as in `comm`.
 
     Collective over `comm`; the caller frees it."""
+    key = _elastic_slot(comm.Get_rank())
     if pretend_layout() is None:
-        return comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        return comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     # The real host and the pretend one: ranks share a host only if both agree.
     names = comm.allgather(host_name())
     color = sorted(set(names)).index(names[comm.Get_rank()])
-    return comm.Split(color=color, key=comm.Get_rank())
+    return comm.Split(color=color, key=key)
+
+
+def _elastic_slot(rank: int) -> int:
+    """The order of this rank among its host's: its rank, or, for a worker of an elastic
+    job without MPI (horolite-run --gloo --min-np), the slot it keeps for its life (its
+    local rank in the launcher's plan): a new worker in a freed slot then gets that local
+    rank, and a survivor keeps its own, with the GPU it pinned by it."""
+    if os.environ.get("HOROLITE_ELASTIC_WORKER"):
+        try:
+            return int(os.environ["HOROLITE_LOCAL_RANK"])
+        except (KeyError, ValueError):
+            pass
+    return rank

@@ -25,7 +25,7 @@ from ..world import generations
 from .session import log
 
 __all__ = ["enabled", "generation", "rejoin", "newest_announced", "world_moved_on",
-           "last_rejoin_seconds"]
+           "note_commit", "note_synced", "last_rejoin_seconds"]
 
 last_rejoin_seconds = 0.0  # how long the last move to a new generation took (logged too)
 
@@ -63,8 +63,9 @@ def _blame(c, generation: int, ranks: List[int]) -> None:
 _client = None
 
 
-def newest_announced() -> int:
-    """The newest generation horolite-run announced (one round trip to the rendezvous)."""
+def _ask(request):
+    """`request(client)` at the job's rendezvous, over a connection kept between calls
+    (made again once if it broke)."""
     global _client
     from .. import world
     from ..world.rendezvous import RendezvousError
@@ -72,13 +73,41 @@ def newest_announced() -> int:
         if _client is None:
             _client = generations.client(world.identity_used())
         try:
-            return generations.latest(_client)
+            return request(_client)
         except RendezvousError:
             _client.close()
             _client = None
             if attempt:
                 raise
     raise AssertionError("unreachable")
+
+
+def newest_announced() -> int:
+    """The newest generation horolite-run announced (one round trip to the rendezvous)."""
+    return _ask(generations.latest)
+
+
+_commits = 0
+_synced = False
+
+
+def note_commit() -> None:
+    """Rank 0 at each commit: the job made progress (horolite-run ends a job whose
+    failures repeat with no commit between them). One round trip."""
+    global _commits
+    _commits += 1
+    value = f"{generations.worker()} {_commits}".encode()
+    _ask(lambda c: c.put(generations.SCOPE, "commit", value))
+
+
+def note_synced() -> None:
+    """After this worker's first sync: it holds the training state (horolite-run ends the
+    job when no member of a generation holds it, instead of training from scratch)."""
+    global _synced
+    if not _synced:
+        value = str(generation()).encode()
+        _ask(lambda c: c.put(generations.SCOPE, f"synced.{generations.worker()}", value))
+        _synced = True
 
 
 def world_moved_on() -> bool:

@@ -155,6 +155,7 @@ def _run_in_process(func: Callable, state: State, args, kwargs):
     while True:
         try:
             state.sync()
+            in_process.note_synced()
             return func(state, *args, **kwargs)
         except HostsUpdatedInterrupt:  # (at a commit: the state is the committed one)
             in_process.rejoin(None)

@@ -66,6 +66,8 @@ class State:
         then check for host changes (HostsUpdatedInterrupt)."""
         self.save()
         self._write_commit()
+        if in_process.enabled() and basics.rank() == 0:
+            in_process.note_commit()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:

@@ -283,6 +283,18 @@ def test_below_min_np_the_survivor_waits_for_a_new_worker(start, tmp_path):
     assert sorted(check_finals(tmp_path, proc, err)) == ["w0", "w2"]
 
 
+def test_every_member_lost_ends_the_job_instead_of_training_from_scratch(start, tmp_path):
+    proc = start_job(start, tmp_path, 2, 1)
+    until(lambda: full_world(tmp_path, 2), proc, "generation 0")
+    for w in ("w0", "w1"):
+        os.kill(pid(tmp_path, w), signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, err[-3000:]
+    assert re.search(r"generation 0: rank \d \(w\d, host localhost\) was killed by signal 9 .*"
+                     "no worker left holds the training state", err), err[-3000:]
+    assert not wait_until_gone(str(tmp_path), 10)
+
+
 def test_when_horolite_run_dies_every_worker_ends(start, tmp_path):
     proc = start_job(start, tmp_path, 3, 2)
     until(lambda: full_world(tmp_path, 3), proc, "generation 0")

@@ -10,6 +10,7 @@ _import_launcher()  # horolite.launcher from this checkout, installed or not
 eg = importlib.import_module("horolite.launcher.elastic_gloo")
 elastic_flags = importlib.import_module("horolite.launcher.elastic_flags")
 FixedHosts = importlib.import_module("horolite.launcher.host_pool").FixedHosts
+gloo = importlib.import_module("horolite.launcher.gloo")
 SCOPE = "elastic"
 
 
@@ -57,10 +58,13 @@ def driver(hosts=(("a", 3),), min_np=2, reset_limit=None, **kw):
 
     def start(host, joining, slots=None):
         w = FakeWorker(f"w{len(d.workers)}", host, joining)
+        w.slot = slots[len(d.workers)].local_rank if slots else d._free_slot(host)
         d.workers.append(w)
         return w
     d._start = start
-    d.members = [d._start(h, False) for h, n in hosts for _ in range(n)]
+    first = [h for h, n in hosts for _ in range(n)]
+    slots = gloo.slots_for(first)
+    d.members = [d._start(h, False, slots) for h in first]
     d._publish_plan(d.members)
     for k, v in kw.items():
         setattr(d, k, v)
@@ -91,3 +95,74 @@ def test_a_hung_rank_is_bounded_by_default_in_elastic_jobs():
         env = {}  # (from the job's environment)
         eg.stall_shutdown_default(env, given)
         assert env == {}
+
+
+def test_when_every_member_that_held_the_state_is_lost_the_job_fails(capsys):
+    d = driver(hosts=(("a", 2),), min_np=1)
+    w0, w1 = d.members
+    d._evict([(w1, "was killed by signal 9 (SIGKILL)")])
+    assert d._state_lost() is None  # w0 holds it
+    d._next_generation([], [])
+    w2 = d._start("a", True)
+    d._next_generation([], [w2])  # w2 joins; it has not synced yet
+    d._evict([(w0, "was killed by signal 9 (SIGKILL)")])
+    assert d._state_lost() == 1
+    assert "no worker left holds the training state" in capsys.readouterr().err
+    d.server.put(SCOPE, "synced.w2", b"2")  # (had w2 synced, it would hold it)
+    assert d._state_lost() is None
+
+
+def test_every_member_lost_at_once_ends_the_watch():
+    d = driver(hosts=(("a", 2),), min_np=1)
+    for w in d.members:
+        w.proc.returncode = -9
+    assert d._watch() == 1
+
+
+def test_failures_that_repeat_with_no_commit_between_them_end_the_job(capsys):
+    d = driver(hosts=(("a", 2),), min_np=1)
+    for k in range(eg.FAILURES_WITHOUT_COMMIT):
+        d.server.put(SCOPE, "commit", f"w0 {k}".encode())  # a commit between failures
+        d.changed = True
+        assert d._next_generation([], []) is None
+    for k in range(eg.FAILURES_WITHOUT_COMMIT - 1):  # (the last commit came before failure 1)
+        d.changed = True
+        assert d._next_generation([], []) is None, k
+    d.changed = True
+    assert d._next_generation([], []) == 1
+    assert f"that is failure {eg.FAILURES_WITHOUT_COMMIT + 1} in a row with no commit" in \
+        capsys.readouterr().err
+    d = driver(hosts=(("a", 2),), min_np=1, ecfg=d.ecfg.__class__(**{
+        **d.ecfg.__dict__, "reset_limit": 1000}))
+    for k in range(2 * eg.FAILURES_WITHOUT_COMMIT):  # (an explicit --reset-limit rules)
+        d.changed = True
+        assert d._next_generation([], []) is None
+
+
+def _local(plan):
+    return {e["worker"]: (e["rank"], e["local_rank"], e["local_size"], e["cross_rank"],
+                          e["cross_size"]) for e in plan["ranks"]}
+
+
+def test_a_worker_keeps_its_slot_and_a_newcomer_takes_the_one_that_freed_up():
+    d = driver(hosts=(("h", 2), ("g", 2)), min_np=2)
+    w0, w1, w2, w3 = d.members
+    assert _local(_plan(d, 0)) == {"w0": (0, 0, 2, 0, 2), "w1": (1, 1, 2, 0, 2),
+                                   "w2": (2, 0, 2, 1, 2), "w3": (3, 1, 2, 1, 2)}
+    d._evict([(w0, "was killed by signal 9 (SIGKILL)")])
+    d._next_generation([], [])
+    # w1 keeps local rank 1 (its GPU); rank 0 is the oldest survivor
+    assert _local(_plan(d, 1)) == {"w1": (0, 1, 2, 0, 2), "w2": (1, 0, 2, 0, 1),
+                                   "w3": (2, 1, 2, 1, 2)}
+    w4 = d._start("h", True)
+    assert w4.slot == 0  # the slot w0 left
+    d._next_generation([], [w4])
+    assert _local(_plan(d, 2)) == {"w1": (0, 1, 2, 0, 2), "w2": (1, 0, 2, 0, 2),
+                                   "w3": (2, 1, 2, 1, 2), "w4": (3, 0, 2, 1, 2)}
+    w5 = d._start("g", True)  # (a slot beyond those held: the next one)
+    assert w5.slot == 2
+
+
+def _plan(d, generation):
+    import json
+    return json.loads(d.server.items(SCOPE)[f"plan.{generation}"])
