@@ -110,6 +110,8 @@ class Worker:
         try:
             return fn(self.executable)
         except BaseException as e:
+            from .failures import mark
+            mark(e)  # (the runtime's or the training code's: read before it shuts down)
             settle_after_failure(e)
             raise
 

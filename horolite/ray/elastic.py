@@ -16,10 +16,9 @@ import secrets
 from typing import Any, Callable, Dict, List, Optional
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from horolite.errors import HorovodInternalError
 from horolite.launcher import gloo
 from horolite.launcher.elastic_flags import ElasticConfig
 from horolite.launcher.elastic_gloo import _Driver
@@ -27,6 +26,7 @@ from horolite.launcher.host_pool import Discovery
 from horolite.world.generations import JOIN, TIMEOUT, WORKER
 
 from . import actors
+from .failures import RAY, USER, classify, node_failed
 from .gpus import user_picks_device
 from .layout import forwarded_settings
 from .ray_logger import Listener
@@ -80,11 +80,14 @@ class _Outcome:
     def _take(self) -> None:
         try:
             self.result, self.returncode = ray.get(self.worker.ref), 0
-        except RayActorError as e:
-            self.error, self.returncode = e, -9
         except Exception as e:
-            self.error, self.returncode = e, 1
-            self.worker.raised(e)
+            self.error = e
+            kind = classify(e)
+            # Ray's own failures end the worker as a death does: it is evicted, and its
+            # actor killed (below); the runtime's are recovered from; the code's end the job.
+            self.returncode = -9 if kind == RAY else 1
+            if kind == USER:
+                self.worker.raised(e)
 
 
 class _RayWorker:
@@ -99,10 +102,7 @@ class _RayWorker:
         self.proc = _Outcome(self)
 
     def raised(self, error: BaseException) -> None:
-        cause = getattr(error, "cause", None) if isinstance(error, RayTaskError) else error
-        if not isinstance(cause, HorovodInternalError) and \
-                not isinstance(error, HorovodInternalError):
-            self._on_user_error(self, error)
+        self._on_user_error(self, error)
 
     def stop(self, signum: int = 0) -> None:
         try:
@@ -116,8 +116,16 @@ class _RayWorker:
     def how(self) -> str:
         error = self.proc.error
         if isinstance(error, RayActorError):
-            return "died: its Ray actor ended"
+            return f"died: its Ray actor ended ({_gist(error)})"
+        if error is not None and classify(error) == RAY:
+            return f"failed in Ray: {type(error).__name__}: {_gist(error)}"
         return f"raised {type(error).__name__}" if error is not None else "ended"
+
+
+def _gist(error: BaseException, limit: int = 160) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else type(error).__name__
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 class _RayJob(_Driver):
@@ -186,6 +194,19 @@ class _RayJob(_Driver):
 
     def _each_turn(self) -> None:
         self.listener.drain()
+
+    def _evict(self, lost) -> None:
+        """As horolite-run's driver, and the evicted workers' actors are killed (an actor
+        whose call ended still holds its CPUs and GPUs); a node Ray says cannot hold a
+        worker now (failures.node_failed) gets no newcomer while it cools down."""
+        super()._evict(lost)
+        for worker, why in lost:
+            worker.stop()
+            if node_failed(worker.proc.error):
+                self.pool.blacklist_host(worker.host, f"{worker.name} {why}")
+                _log.warning("elastic: %s (host %s) %s; no new worker starts there while it "
+                             "cools down: %s", worker.name, worker.host, why,
+                             self.pool.describe())
 
     def run(self) -> int:
         from horolite.world.rendezvous import HOSTS, RendezvousServer

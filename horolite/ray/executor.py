@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from horolite.errors import HorovodInternalError
 
 from . import actors
+from .failures import RAY, classify
 from .ray_logger import Listener
 from .layout import forwarded_settings, place
 
@@ -248,10 +249,11 @@ class RayExecutor:
             rank = pending.pop(ready[0])
             try:
                 results[rank] = ray.get(ready[0])
-            except RayActorError as e:
-                died[rank] = e
-            except Exception as e:
-                raised.append((rank, e))
+            except Exception as e:  # (Ray's own failures: the actor, its node, its memory)
+                if classify(e) == RAY:
+                    died[rank] = e
+                else:
+                    raised.append((rank, e))
             if (died or raised) and deadline is None:
                 deadline = time.monotonic() + float(self.settings.timeout_s)
         if died or raised:
@@ -261,7 +263,8 @@ class RayExecutor:
         if died:
             rank, cause = min(died.items())
             where = self.placed[rank].node.label() if rank < len(self.placed) else "?"
-            text = (f"rank {rank} (host {where}) died: its Ray actor ended "
+            how = "its Ray actor ended" if isinstance(cause, RayActorError) else "Ray failed"
+            text = (f"rank {rank} (host {where}) died: {how} "
                     f"({type(cause).__name__}: {_first_line(cause)})")
             if len(died) > 1:
                 text += "; also " + ", ".join(f"rank {q}" for q in sorted(died) if q != rank)
