@@ -7,6 +7,7 @@ job's key; every rank checks its collectives against NumPy (world_rank/reduce_an
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -89,6 +90,62 @@ def test_a_pair_quiet_for_15_s_is_not_lost(tmp_path):
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)[-4000:]
     assert marks(tmp_path, 2) == ["0 2 quiet ok", "1 2 quiet ok"]
+
+
+def test_under_torchrun_rank_0_serves_beside_the_agents_store(tmp_path):
+    # torchrun's agent serves its store on MASTER_PORT for the whole job: a listener
+    # stands in for it here (tests/test_world_torchrun.py runs the real one).
+    with socket.create_server(("127.0.0.1", 0)) as agent_store:
+        port = agent_store.getsockname()[1]
+        procs = start([dict(torchrun_env(r, 2, port), TORCHELASTIC_RUN_ID="job7")
+                       for r in range(2)], tmp_path)
+        outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)[-4000:]
+    assert marks(tmp_path, 2) == [f"{r} 2 {r} 2 ok" for r in range(2)]
+    assert f"rendezvous at 127.0.0.1:{port + 1}, served by this rank" in outs[0], outs[0][-2000:]
+
+
+def test_a_rendezvous_port_that_cannot_be_bound_is_named_with_its_source_and_the_fix(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        procs = start([dict(torchrun_env(0, 2, port), HOROLITE_RENDEZVOUS_PORT=str(port))],
+                      tmp_path)
+        (out,) = finish(procs, timeout=60)
+    assert procs[0].returncode != 0
+    assert (f"rank 0 cannot serve the rendezvous on 127.0.0.1 at port {port}: Address already "
+            "in use (from HOROLITE_RENDEZVOUS_PORT") in out, out[-3000:]
+    assert "choose another free port for HOROLITE_RENDEZVOUS_PORT" in out, out[-3000:]
+
+
+def test_a_rank_claimed_twice_is_named_with_both_hosts_on_every_rank(tmp_path):
+    port = free_port()
+    envs = [dict(torchrun_env(r, 3, port, local=False), HOROLITE_GLOO_TIMEOUT_SECONDS="60",
+                 HOROLITE_HOSTNAME=f"node{i}") for i, r in enumerate((0, 1, 1))]
+    procs = start(envs[:2], tmp_path)
+    time.sleep(0.5)  # (the first claim of rank 1 is node1's)
+    procs += start(envs[2:], tmp_path)
+    outs = finish(procs, timeout=90)
+    assert all(p.returncode != 0 for p in procs), outs
+    for out in outs:
+        assert re.search(r"rank 1 of 3 was claimed by two processes: first by host node1 "
+                         r"\(127\.0\.0\.1:\d+\), then by host node2 \(127\.0\.0\.1:\d+\)",
+                         out), out[-3000:]
+        assert "Give each node its own --node-rank" in out, out[-3000:]
+
+
+def test_a_squatted_slurm_port_costs_a_moment_not_the_job(tmp_path):
+    from horolite.world.identity import slurm_port
+    slurm = dict(SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost",
+                 SLURM_JOB_ID=str(os.getpid()), SLURM_STEP_ID="0")
+    port = slurm_port(slurm)
+    # The squatter accepts and never speaks (another job's or user's server, say).
+    with socket.create_server(("127.0.0.1", port)) as squatter:
+        procs = start([clean_env(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **slurm)
+                       for r in range(2)], tmp_path)
+        outs = finish(procs)
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)[-4000:]
+    assert marks(tmp_path, 2) == [f"{r} 2 {r} 2 ok" for r in range(2)]
+    assert f"rendezvous localhost:{port}" not in outs[0], outs[0][-2000:]
 
 
 def test_pytorchjob_one_rank_per_pod(tmp_path):

@@ -16,7 +16,6 @@ never from the command line, which every user of the host can read in ``ps``.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from horolite.failure.launch_check import LAUNCHERS
+from horolite.world import rendezvous_ports
 from horolite.world.slurm_lists import hosts, tasks_per_node
 
 __all__ = ["Identity", "from_environ", "under_mpi_launcher", "log_once", "job_key",
@@ -34,7 +34,7 @@ __all__ = ["Identity", "from_environ", "under_mpi_launcher", "log_once", "job_ke
 _log = logging.getLogger("horolite.world.identity")
 
 MIN_KEY_BYTES = 16
-SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
+SLURM_PORT_BASE, SLURM_PORT_SPAN = rendezvous_ports.SLURM_BASE, rendezvous_ports.SLURM_SPAN
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,13 @@ class Identity:
     source: str
     serve: bool  # this rank (rank 0 of a scheduler-started job) serves the rendezvous
     host_label: Optional[str]  # the launcher's name for this rank's host, if it gave one
+    # Every port the rendezvous may be on, in order (rendezvous_ports.py; rendezvous_port
+    # is the first); empty: rendezvous_port only.
+    ports: Tuple[int, ...] = ()
+    port_from: str = ""  # where that port came from, for an error that names it
+
+    def candidates(self) -> Tuple[int, ...]:
+        return self.ports or (self.rendezvous_port,)
 
 
 # --- MPI launchers ---------------------------------------------------------------------
@@ -123,17 +130,24 @@ def _host_label(environ: Mapping[str, str]) -> Optional[str]:
 
 def _identity(environ, rank, size, local_rank, local_size, addr, port, source,
               scheduler) -> Identity:
+    """`port`: a port, or for a scheduler (name, candidate ports), which the override
+    HOROLITE_RENDEZVOUS_PORT replaces."""
     _check(local_rank, local_size, "local rank")
     _check(rank, size)
     if local_size[1] > size[1]:
         raise ValueError(f"{local_size[0]}={local_size[1]} is more than {size[0]}={size[1]}")
+    ports, port_from = (), ""
+    if scheduler:
+        port_from, ports = _override_port(environ) or port
+        port = ports[0]
     return Identity(rank[1], size[1], local_rank[1], local_size[1], addr, port, source,
-                    serve=scheduler and rank[1] == 0, host_label=_host_label(environ))
+                    serve=scheduler and rank[1] == 0, host_label=_host_label(environ),
+                    ports=tuple(ports), port_from=port_from)
 
 
-def _override_port(environ: Mapping[str, str]) -> Optional[int]:
+def _override_port(environ: Mapping[str, str]) -> Optional[Tuple[str, Tuple[int, ...]]]:
     name = "HOROLITE_RENDEZVOUS_PORT"
-    return _port(name, _int(environ, name)) if _given(environ, name) else None
+    return (name, (_port(name, _int(environ, name)),)) if _given(environ, name) else None
 
 
 # --- the sources, in order -----------------------------------------------------------------
@@ -167,11 +181,32 @@ def _torchrun(environ: Mapping[str, str]) -> Optional[Identity]:
     # Without LOCAL_*: a PyTorchJob pod holds one process.
     lr = ("LOCAL_RANK", _int(environ, "LOCAL_RANK")) if local else ("LOCAL_RANK", 0)
     ls = ("LOCAL_WORLD_SIZE", _int(environ, "LOCAL_WORLD_SIZE")) if local else ("LOCAL_WORLD_SIZE", 1)
+    master = _port("MASTER_PORT", _int(environ, "MASTER_PORT"))
+    if rendezvous_ports.under_torchrun(environ):  # (its agent's store holds MASTER_PORT)
+        port = ("MASTER_PORT+1 (torchrun's agent serves MASTER_PORT)",
+                rendezvous_ports.after(master))
+    else:  # (a PyTorchJob pod's one process: nobody else serves MASTER_PORT)
+        _one_process_per_pod(environ, "WORLD_SIZE", "RANK")
+        port = ("MASTER_PORT", (master,))
     return _identity(environ, ("RANK", _int(environ, "RANK")),
                      ("WORLD_SIZE", _int(environ, "WORLD_SIZE")), lr, ls,
-                     environ["MASTER_ADDR"].strip(),
-                     _port("MASTER_PORT", _int(environ, "MASTER_PORT")),
+                     environ["MASTER_ADDR"].strip(), port,
                      "torchrun (RANK/WORLD_SIZE/MASTER_ADDR)", True)
+
+
+def _one_process_per_pod(environ: Mapping[str, str], size: str, rank: str) -> None:
+    """Kubeflow counts PET_NPROC_PER_NODE processes a pod, but only torchrun starts them:
+    a pod's one process, started as plain python, cannot be them all."""
+    if not _given(environ, "PET_NPROC_PER_NODE") or rendezvous_ports.under_torchrun(environ):
+        return
+    text = environ["PET_NPROC_PER_NODE"].strip()
+    if text.isdigit() and int(text) <= 1:
+        return
+    raise ValueError(
+        f"PET_NPROC_PER_NODE={text}: Kubeflow counts {text} processes per pod in {size}, "
+        f"but this process was started without torchrun, so the pod holds only one ({rank} "
+        "is the pod's index). Start the script with torchrun in the container's command "
+        "(`torchrun train.py`: it reads PET_* itself), or set nprocPerNode to 1")
 
 
 def _pet_count(environ: Mapping[str, str], name: str) -> int:
@@ -194,6 +229,8 @@ def _kubeflow_trainer(environ: Mapping[str, str]) -> Optional[Identity]:
         return None
     node, nnodes = _int(environ, "PET_NODE_RANK"), _pet_count(environ, "PET_NNODES")
     nproc = _pet_count(environ, "PET_NPROC_PER_NODE")
+    if not _given(environ, "LOCAL_RANK"):  # (else: some launcher of the pod's own)
+        _one_process_per_pod(environ, "PET_NNODES*PET_NPROC_PER_NODE", "PET_NODE_RANK")
     local = _int(environ, "LOCAL_RANK") if _given(environ, "LOCAL_RANK") else 0
     _check(("PET_NODE_RANK", node), ("PET_NNODES", nnodes), "node rank")
     _check(("LOCAL_RANK", local), ("PET_NPROC_PER_NODE", nproc), "local rank")
@@ -201,7 +238,8 @@ def _kubeflow_trainer(environ: Mapping[str, str]) -> Optional[Identity]:
                      ("PET_NNODES*PET_NPROC_PER_NODE", nnodes * nproc),
                      ("LOCAL_RANK", local), ("PET_NPROC_PER_NODE", nproc),
                      environ["PET_MASTER_ADDR"].strip(),
-                     _port("PET_MASTER_PORT", _int(environ, "PET_MASTER_PORT")),
+                     ("PET_MASTER_PORT",
+                      (_port("PET_MASTER_PORT", _int(environ, "PET_MASTER_PORT")),)),
                      "Kubeflow Trainer (PET_*)", True)
 
 
@@ -240,7 +278,8 @@ def _slurm(environ: Mapping[str, str]) -> Optional[Identity]:
     else:
         raise ValueError(f"{per_node_var}={environ[per_node_var].strip()!r} differs between "
                          f"nodes and SLURM_NODEID is not set")
-    port = _override_port(environ) or slurm_port(environ)
+    port = _override_port(environ) or (
+        "the Slurm job and step id (SLURM_JOB_ID.SLURM_STEP_ID)", _slurm_ports(environ))
     return _identity(environ, ("SLURM_PROCID", _int(environ, "SLURM_PROCID")),
                      (size_var, _int(environ, size_var)),
                      ("SLURM_LOCALID", _int(environ, "SLURM_LOCALID")),
@@ -248,14 +287,17 @@ def _slurm(environ: Mapping[str, str]) -> Optional[Identity]:
 
 
 def slurm_port(environ: Mapping[str, str] = os.environ) -> int:
-    """The rendezvous port every task of this Slurm step computes alike (20000-29999),
-    so that two steps or jobs sharing a node rarely meet on one port."""
+    """The first rendezvous port every task of this Slurm step computes alike
+    (20000-29999), so that two steps or jobs sharing a node rarely meet on one port."""
+    return _slurm_ports(environ)[0]
+
+
+def _slurm_ports(environ: Mapping[str, str]) -> Tuple[int, ...]:
     job_var = _first_of(environ, ("SLURM_JOB_ID", "SLURM_JOBID"))
     if job_var is None:
         raise ValueError("SLURM_JOB_ID is not set: set HOROLITE_RENDEZVOUS_PORT")
-    seed = f"{environ[job_var].strip()}.{environ.get('SLURM_STEP_ID', '').strip()}"
-    digest = hashlib.sha256(seed.encode()).digest()
-    return SLURM_PORT_BASE + int.from_bytes(digest[:4], "big") % SLURM_PORT_SPAN
+    return rendezvous_ports.slurm_ports(environ[job_var].strip(),
+                                        environ.get("SLURM_STEP_ID", "").strip())
 
 
 def _tf_config(environ: Mapping[str, str]) -> Optional[Identity]:
@@ -284,8 +326,8 @@ def _tf_config(environ: Mapping[str, str]) -> Optional[Identity]:
            "index")
     addrs = chief + workers
     host, first_port = _split_host_port(str(addrs[0]))
-    port = _override_port(environ) or _port(f"TF_CONFIG's first address {addrs[0]!r} + 1",
-                                            first_port + 1)
+    where = f"TF_CONFIG's first address {addrs[0]!r} + 1"
+    port = (where, rendezvous_ports.after(_port(where, first_port + 1) - 1))
     if _given(environ, "HOROLITE_LOCAL_RANK") and _given(environ, "HOROLITE_LOCAL_SIZE"):
         lr = ("HOROLITE_LOCAL_RANK", _int(environ, "HOROLITE_LOCAL_RANK"))
         ls = ("HOROLITE_LOCAL_SIZE", _int(environ, "HOROLITE_LOCAL_SIZE"))

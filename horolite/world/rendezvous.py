@@ -33,6 +33,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ["RendezvousServer", "RendezvousClient", "RendezvousError", "RendezvousTimeout",
+           "RendezvousClaimed",
            "HELLO_SECONDS", "MAX_FRAME", "HOSTS"]
 
 _log = logging.getLogger("horolite.world.rendezvous")
@@ -45,7 +46,13 @@ MAX_FRAME = 16 << 20
 # A client's hello arrives within milliseconds of its connect; a silent stranger holds
 # only its own thread this long.
 HELLO_SECONDS = 10.0
+# Connections that have not yet proved the key: beyond this many, the oldest is cut off,
+# so strangers hold at most this many threads and descriptors of the serving process.
+MAX_UNPROVEN = 64
 _ANSWER_SECONDS = 30.0  # a client's wait for an answer, beyond the wait it asked for
+# A client's wait for the greeting where the server may be on one of several ports: ours
+# greets at once, a squatter never.
+_PROBE_SECONDS = 2.0
 _LEN, _SECONDS = struct.Struct(">I"), struct.Struct(">d")
 # (scope, key) where a launcher that laid the ranks out puts each rank's host, one a line
 # in rank order: a rank left waiting for one that never came can say where it should be.
@@ -53,7 +60,7 @@ HOSTS = ("launcher", "hosts")
 _GREETING, _ANSWER = len(MAGIC) + 1 + NONCE_BYTES, len(MAGIC) + 1 + NONCE_BYTES + MAC_BYTES
 
 _PUT, _GET, _WAIT_ALL, _DELETE = b"P", b"G", b"W", b"D"
-_OK, _VALUE, _LATE, _MISSING = b"K", b"V", b"T", b"M"
+_OK, _VALUE, _LATE, _MISSING, _CLAIMED = b"K", b"V", b"T", b"M", b"C"
 
 
 class RendezvousError(ConnectionError):
@@ -62,6 +69,24 @@ class RendezvousError(ConnectionError):
 
 class RendezvousTimeout(RendezvousError, TimeoutError):
     """What was waited for was not put in time; the message names every missing key."""
+
+
+class RendezvousClaimed(RendezvousError):
+    """Two processes claimed one key of a world's scope (a rank started twice): `key`,
+    and for each claimant, first the winner, (its address, the value it put)."""
+
+    def __init__(self, where: str, scope: str, fields: List[bytes]):
+        self.key = fields[0].decode()
+        self.first = (fields[1].decode(), fields[2])
+        self.second = (fields[3].decode(), fields[4])
+        super().__init__(f"{where}: {self.key!r} of scope {scope!r} was claimed twice, by "
+                         f"{self.first[0]} and then by {self.second[0]}")
+
+
+class _Claimed(Exception):
+    def __init__(self, fields: List[bytes]):
+        super().__init__("claimed twice")
+        self.fields = fields
 
 
 class _Stranger(Exception):
@@ -82,10 +107,16 @@ def _check_key(key: bytes) -> bytes:
     return bytes(key)
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
+    """n bytes; with a `deadline` (time.monotonic()), all by then (socket.timeout)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("timed out")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if not k:
             raise EOFError(f"the connection closed after {got} of {n} bytes")
@@ -148,6 +179,9 @@ class RendezvousServer(_Closes):
         self._store: Dict[str, Dict[str, bytes]] = {}
         self._cond = threading.Condition()
         self._open, self._closed = set(), False
+        self._unproven: Dict[socket.socket, None] = {}  # (in arrival order: the oldest first)
+        self._claims: Dict[tuple, tuple] = {}  # {(scope, key): (its putter, peer address)}
+        self._conflicts: Dict[str, List[bytes]] = {}  # {scope: a _CLAIMED reply's fields}
         self._thread = threading.Thread(target=self._accept, daemon=True,
                                         name=f"horolite-rendezvous-{self.port}")
         self._thread.start()
@@ -167,18 +201,36 @@ class RendezvousServer(_Closes):
                     sock.close()
                     break
                 self._open.add(sock)
-            threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
-                             name=f"horolite-rendezvous-{self.port}-conn").start()
+                self._unproven[sock] = None
+                evicted = (next(iter(self._unproven)) if len(self._unproven) > MAX_UNPROVEN
+                           else None)
+                if evicted is not None:
+                    del self._unproven[evicted]
+            if evicted is not None:  # (the oldest stranger makes room: its thread wakes
+                with contextlib.suppress(OSError):  # and drops it)
+                    evicted.shutdown(socket.SHUT_RDWR)
+            try:
+                threading.Thread(target=self._serve, args=(sock, peer), daemon=True,
+                                 name=f"horolite-rendezvous-{self.port}-conn").start()
+            except RuntimeError as e:  # (no thread left: drop this one, keep accepting)
+                with self._cond:
+                    self._open.discard(sock)
+                    self._unproven.pop(sock, None)
+                    self.dropped += 1
+                sock.close()
+                _log.debug("rendezvous server :%d: dropped a connection from %s:%s: no "
+                           "thread for it (%s)", self.port, peer[0], peer[1], e)
 
     def _serve(self, sock: socket.socket, peer) -> None:
         hello = True
         try:
-            sock.settimeout(self._hello_seconds)
-            self._hello(sock)
+            self._hello(sock, time.monotonic() + self._hello_seconds)
             sock.settimeout(None)
+            with self._cond:
+                self._unproven.pop(sock, None)
             hello = False
             while not self._closed and sock.recv(1, socket.MSG_PEEK):  # (b"": it closed)
-                self._answer(sock, _read_frame(sock))
+                self._answer(sock, peer, _read_frame(sock))
         except (_Stranger, OSError, EOFError) as e:
             if not self._closed and (hello or isinstance(e, _Stranger)):
                 why = "silent" if isinstance(e, socket.timeout) else str(e) or type(e).__name__
@@ -192,12 +244,15 @@ class RendezvousServer(_Closes):
         finally:
             with self._cond:
                 self._open.discard(sock)
+                self._unproven.pop(sock, None)
             sock.close()
 
-    def _hello(self, sock: socket.socket) -> None:
+    def _hello(self, sock: socket.socket, deadline: float) -> None:
+        """The whole hello by `deadline`, however slowly its bytes trickle in."""
         snonce = os.urandom(NONCE_BYTES)
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
         sock.sendall(MAGIC + bytes([VERSION]) + snonce)
-        answer = _recv_exactly(sock, _ANSWER)
+        answer = _recv_exactly(sock, _ANSWER, deadline)
         if answer[:len(MAGIC)] != MAGIC or answer[len(MAGIC)] != VERSION:
             raise _Stranger("not a horolite rendezvous hello")
         cnonce = answer[len(MAGIC) + 1:len(MAGIC) + 1 + NONCE_BYTES]
@@ -205,32 +260,38 @@ class RendezvousServer(_Closes):
             raise _Stranger("it does not hold this job's key")
         sock.sendall(_server_mac(self._key, snonce, cnonce))
 
-    def _answer(self, sock: socket.socket, body: bytes) -> None:
+    def _answer(self, sock: socket.socket, peer, body: bytes) -> None:
         try:
-            self._dispatch(sock, body[:1], _fields(body))
+            self._dispatch(sock, peer, body[:1], _fields(body))
+        except _Claimed as e:
+            sock.sendall(_frame(_CLAIMED, *e.fields))
         except (UnicodeDecodeError, struct.error) as e:
             raise _Stranger(f"a request it cannot read ({e})") from None
 
-    def _dispatch(self, sock: socket.socket, op: bytes, fields: List[bytes]) -> None:
+    def _dispatch(self, sock: socket.socket, peer, op: bytes, fields: List[bytes]) -> None:
         if op == _PUT and len(fields) == 3:
             scope, key, value = fields[0].decode(), fields[1].decode(), fields[2]
             with self._cond:
-                self._store.setdefault(scope, {})[key] = value
+                claimed = self._claim(sock, peer, scope, key, value)
+                if claimed is None:
+                    self._store.setdefault(scope, {})[key] = value
                 self._cond.notify_all()
-            sock.sendall(_frame(_OK))
+            sock.sendall(_frame(_OK) if claimed is None else _frame(_CLAIMED, *claimed))
         elif op == _GET and len(fields) == 3:
             scope, key = fields[0].decode(), fields[1].decode()
+            value = None
             if self._wait(sock, scope, [key], _SECONDS.unpack(fields[2])[0]):
-                with self._cond:
-                    value = self._store[scope][key]
-                sock.sendall(_frame(_VALUE, value))
-            else:
-                sock.sendall(_frame(_LATE))
+                with self._cond:  # (None: deleted meanwhile)
+                    value = self._store.get(scope, {}).get(key)
+            sock.sendall(_frame(_LATE) if value is None else _frame(_VALUE, value))
         elif op == _WAIT_ALL and len(fields) >= 2:
             scope, keys = fields[0].decode(), [k.decode() for k in fields[2:]]
+            values = None
             if self._wait(sock, scope, keys, _SECONDS.unpack(fields[1])[0]):
-                with self._cond:
-                    values = [self._store[scope][k] for k in keys]
+                with self._cond:  # (None: deleted meanwhile)
+                    have = self._store.get(scope, {})
+                    values = [have[k] for k in keys] if all(k in have for k in keys) else None
+            if values is not None:
                 sock.sendall(_frame(_OK, _LEN.pack(len(values))))
                 for value in values:
                     sock.sendall(_frame(_VALUE, value))
@@ -241,10 +302,31 @@ class RendezvousServer(_Closes):
                 sock.sendall(_frame(_MISSING, *missing))
         elif op == _DELETE and len(fields) == 1:
             with self._cond:
-                self._store.pop(fields[0].decode(), None)
+                scope = fields[0].decode()
+                self._store.pop(scope, None)
+                self._conflicts.pop(scope, None)
+                for claim in [c for c in self._claims if c[0] == scope]:
+                    del self._claims[claim]
             sock.sendall(_frame(_OK))
         else:
             raise _Stranger(f"a request it cannot read (op {op!r}, {len(fields)} fields)")
+
+    def _claim(self, sock, peer, scope: str, key: str, value: bytes) -> Optional[List[bytes]]:
+        """In a world's scope the first put of a rank wins; another process's later put of
+        a different value is refused, and the scope's waiters are told: (under the lock)
+        a _CLAIMED reply's fields, or None."""
+        if scope != "world" and not scope.startswith("world."):
+            return None
+        first = self._claims.get((scope, key))
+        if first is None:
+            self._claims[(scope, key)] = (sock, peer)
+            return None
+        have = self._store.get(scope, {}).get(key)
+        if first[0] is sock or have == value:
+            return None
+        said = [key.encode(), _where(first[1]), have or b"", _where(peer), value]
+        self._conflicts.setdefault(scope, said)
+        return said
 
     def _wait(self, sock: socket.socket, scope: str, keys: Sequence[str], seconds: float) -> bool:
         """Whether every key of scope is present within `seconds` (< 0: forever). Wakes on
@@ -252,6 +334,8 @@ class RendezvousServer(_Closes):
         deadline = None if seconds < 0 else time.monotonic() + seconds
         with self._cond:
             while True:
+                if scope in self._conflicts:
+                    raise _Claimed(self._conflicts[scope])
                 have = self._store.get(scope, {})
                 if all(k in have for k in keys):
                     return True
@@ -288,6 +372,10 @@ class RendezvousServer(_Closes):
                 sock.shutdown(socket.SHUT_RDWR)  # (wakes its thread out of recv)
 
 
+def _where(peer) -> bytes:
+    return f"{peer[0]}:{peer[1]}".encode()
+
+
 def _gone(sock: socket.socket) -> bool:
     """Whether the far end closed (a waiting client sends nothing until it is answered)."""
     try:
@@ -302,38 +390,62 @@ class RendezvousClient(_Closes):
     (other ranks often come before rank 0): connecting is retried for `timeout` seconds.
     Requests from several threads take turns."""
 
-    def __init__(self, addr: str, port: int, key: bytes, timeout: float = 30.0):
-        self.addr, self.port, self._key = addr, port, _check_key(key)
-        self._timeout, self._where = timeout, f"the rendezvous server at {addr}:{port}"
+    def __init__(self, addr: str, port: int, key: bytes, timeout: float = 30.0,
+                 ports: Sequence[int] = ()):
+        """`ports`: every port the server may be on (rendezvous_ports.py), `port` first;
+        then a server that fails the key's proof is another's, and the next is tried."""
+        self.ports = tuple(ports) or (port,)
+        self.addr, self.port, self._key = addr, self.ports[0], _check_key(key)
+        self._timeout = timeout
+        self._where = self._at(self.port)
         self._lock = threading.Lock()
         self._broken: Optional[str] = None
         self._sock = self._connect()
 
+    def _at(self, port: int) -> str:
+        return f"the rendezvous server at {self.addr}:{port}"
+
     def _connect(self) -> socket.socket:
         deadline = time.monotonic() + self._timeout
-        pause, last = 0.05, "no attempt"
+        pause, last = 0.05, {}
+        several = len(self.ports) > 1
         while True:
-            left = deadline - time.monotonic()
-            try:
-                sock = socket.create_connection((self.addr, self.port),
-                                                timeout=max(0.1, min(left, HELLO_SECONDS)))
-            except OSError as e:
-                last = e.strerror or str(e) or type(e).__name__
-            else:
+            for port in self.ports:
+                left = deadline - time.monotonic()
+                # (one of several may be a squatter that accepts and says nothing)
+                wait = max(0.1, min(left, _PROBE_SECONDS if several else HELLO_SECONDS))
+                try:
+                    sock = socket.create_connection((self.addr, port), timeout=wait)
+                except OSError as e:
+                    last[port] = e.strerror or str(e) or type(e).__name__
+                    continue
                 try:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     greeting = _recv_exactly(sock, _GREETING)
-                except (OSError, EOFError) as e:  # (a server closing; try again)
+                except (OSError, EOFError) as e:  # (a server closing, or a silent squatter)
                     sock.close()
-                    last = f"no greeting ({e})"
-                else:
+                    last[port] = f"no greeting ({e})"
+                    continue
+                self._where = self._at(port)
+                try:
                     self._hello(sock, greeting)
-                    sock.settimeout(None)
-                    return sock
+                except (RendezvousError, OSError) as e:
+                    if not several:
+                        raise
+                    last[port] = str(e)  # (another job's, or a stranger's: the next one)
+                    continue
+                sock.settimeout(None)
+                self.port = port
+                return sock
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RendezvousError(f"{self._where} did not answer within "
-                                      f"{self._timeout:g} s ({last})")
+                if not several:
+                    raise RendezvousError(f"{self._where} did not answer within "
+                                          f"{self._timeout:g} s ({last[self.port]})")
+                raise RendezvousError(
+                    f"no rendezvous server of this job answered at {self.addr} on any of "
+                    f"ports {', '.join(map(str, self.ports))} within {self._timeout:g} s ("
+                    + "; ".join(f"{p}: {why}" for p, why in last.items()) + ")")
             time.sleep(min(pause, left))
             pause = min(pause * 2, 1.0)
 
@@ -375,13 +487,21 @@ class RendezvousClient(_Closes):
                 self._sock.close()
                 raise RendezvousError(self._broken) from None
 
+    def _claimed(self, scope: str, reply: bytes) -> None:
+        if reply[:1] == _CLAIMED:
+            raise RendezvousClaimed(self._where, scope, _fields(reply))
+
     def put(self, scope: str, key: str, value: bytes) -> None:
-        self._request(_frame(_PUT, scope.encode(), key.encode(), bytes(value)), 0.0)
+        """RendezvousClaimed if another process put a different value under key first
+        (in a world's scope)."""
+        (reply,) = self._request(_frame(_PUT, scope.encode(), key.encode(), bytes(value)), 0.0)
+        self._claimed(scope, reply)
 
     def get(self, scope: str, key: str, timeout: Optional[float] = None) -> bytes:
         """The value of key, once some client puts it (None: however long that takes)."""
         (reply,) = self._request(_frame(_GET, scope.encode(), key.encode(), _seconds(timeout)),
                                  timeout)
+        self._claimed(scope, reply)
         if reply[:1] == _LATE:
             raise RendezvousTimeout(f"{self._where}: {key!r} of scope {scope!r} was not "
                                     f"put within {timeout:g} s")
@@ -396,6 +516,7 @@ class RendezvousClient(_Closes):
         keys = list(keys)
         replies = self._request(_frame(_WAIT_ALL, scope.encode(), _seconds(timeout),
                                        *(k.encode() for k in keys)), timeout)
+        self._claimed(scope, replies[0])
         if replies[0][:1] == _MISSING:
             missing = [k.decode() for k in _fields(replies[0])]
             raise RendezvousTimeout(

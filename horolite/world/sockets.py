@@ -99,33 +99,54 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
                          "`export HOROLITE_JOB_KEY=$(openssl rand -hex 32)`) or "
                          f"HOROLITE_JOB_KEY_FILE before starting the ranks{mpi}; "
                          "horolite-run --gloo sets it itself")
-    from .rendezvous import RendezvousClient, RendezvousError, RendezvousServer, RendezvousTimeout
-    if identity.serve and rank == 0:
-        _server = RendezvousServer(key, "0.0.0.0", identity.rendezvous_port)
-    mine = tcp_address.offered(iface)
-    binds = sorted({a.addr for a in mine} | {"127.0.0.1"})
-    listeners = _listen(binds)
-    port = listeners[0].getsockname()[1]
+    from .rendezvous import (RendezvousClaimed, RendezvousClient, RendezvousError,
+                             RendezvousTimeout)
     machine = Get_processor_name()
     me = f"rank {rank} (host {identity.host_label or machine})"
+    if identity.serve and rank == 0:
+        try:
+            _server = _serve(identity, key)
+        except OSError as e:
+            _tell_launcher(rank, f"{me} failed at init: {e}")
+            raise
+    try:
+        mine = tcp_address.offered(iface)
+        binds = sorted({a.addr for a in mine} | {"127.0.0.1"})
+        listeners = _listen(binds)
+    except BaseException:
+        _stop_serving()  # (a retried init() binds the rendezvous port again)
+        raise
+    port = listeners[0].getsockname()[1]
     try:
         client = RendezvousClient(identity.rendezvous_addr, identity.rendezvous_port, key,
-                                  timeout)
+                                  timeout, ports=identity.candidates())
     except RendezvousError as e:
         _close_all(listeners)
+        _stop_serving()
         _tell_launcher(rank, f"{me} failed at init: {e}")
         raise
     acceptor, ready = None, False
     try:
         scope = world_scope(generation)
-        client.put(scope, str(rank), codec.encode({
-            "host": identity.host_label or machine, "machine": machine, "port": port,
-            "addresses": [list(a) for a in mine],
-            "by_name": tcp_address.own_host_addresses(),
-            "worker": worker, "kept": _kept.offer()}))
+        try:
+            client.put(scope, str(rank), codec.encode({
+                "host": identity.host_label or machine, "machine": machine, "port": port,
+                "addresses": [list(a) for a in mine],
+                "by_name": tcp_address.own_host_addresses(),
+                "worker": worker, "kept": _kept.offer(), "size": size}))
+        except RendezvousClaimed as e:
+            e.args = (_claimed_twice(e, rank, size, identity),)
+            _tell_launcher(rank, f"{me} failed at init: {e}")
+            raise
         hosts = _launcher_hosts(client, size)
         try:
             found = _meet(client, scope, size, timeout, hosts, superseded)
+        except RendezvousClaimed as e:
+            e.args = (_claimed_twice(e, rank, size, identity),)
+            _tell_launcher(rank, f"{me} failed at init: {e}")
+            if _server is not None:  # (let the others hear it before the server goes)
+                time.sleep(min(1.0, timeout))
+            raise
         except RendezvousTimeout as e:
             _tell_launcher(rank, f"{me} failed at init: {e}")
             if _server is not None:  # the others time out a moment later: let them hear
@@ -174,12 +195,59 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
     for q, streams in acceptor.taken().items():
         socks[q] = streams[0]
     COMM_WORLD = Comm(Mesh(rank, size, socks, where), list(range(size)), WORLD_CONTEXT)
+    if not worker:  # (not elastic: no later world meets there; nobody may hold it open)
+        _stop_serving()
     _workers, _generation = {q: peers[q].get("worker", "") for q in range(size)}, generation
     _log.info("rank %d: connected to %d ranks without MPI (rendezvous %s:%d%s)", rank,
               size - 1, identity.rendezvous_addr, identity.rendezvous_port,
               f", generation {generation}, {len(kept)} kept from the one before"
               if generation else "")
     return COMM_WORLD
+
+
+def _serve(identity, key: bytes):
+    """The rendezvous rank 0 of a scheduler-started job serves: on the first of the
+    identity's candidate ports it can bind; an error naming them, where they came from,
+    and the fix when it can bind none."""
+    from .rendezvous import RendezvousServer
+    loopback = identity.rendezvous_addr == "localhost" or identity.rendezvous_addr.startswith("127.")
+    host = "127.0.0.1" if loopback else "0.0.0.0"  # (a one-host job exposes nothing)
+    failed = []
+    for port in identity.candidates():
+        try:
+            return RendezvousServer(key, host, port)
+        except OSError as e:
+            failed.append(f"{port}: {os.strerror(e.errno) if e.errno else e}")
+    came = identity.port_from or "its source's port"
+    fix = ("choose another free port for HOROLITE_RENDEZVOUS_PORT, the same on every rank"
+           if came == "HOROLITE_RENDEZVOUS_PORT" else
+           "set HOROLITE_RENDEZVOUS_PORT to a free port on this host, the same on every rank")
+    raise OSError(f"rank 0 cannot serve the rendezvous on {host} at port "
+                  f"{'; '.join(failed)} (from {came}, {identity.source}): {fix}")
+
+
+def _claimed_twice(e, rank: int, size: int, identity) -> str:
+    """A rank claimed by two processes, said with both hosts."""
+    def host(side) -> str:
+        address, value = side
+        try:
+            entry = codec.decode(value)
+            return f"host {entry['host']} ({address})"
+        except (ValueError, KeyError, TypeError):
+            return address
+    what = (f"rank {e.key} of {size} was claimed by two processes: first by "
+            f"{host(e.first)}, then by {host(e.second)}; the second is refused. ")
+    if identity.source.startswith("torchrun"):
+        return what + ("Give each node its own --node-rank (torchrun), or each pod its own "
+                       "RANK; a PyTorchJob with nprocPerNode above 1 needs torchrun")
+    return what + f"Each process needs its own rank (this one's came from {identity.source})"
+
+
+def _stop_serving() -> None:
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
 
 
 def _meet(client, scope: str, size: int, timeout: float, hosts, superseded):

@@ -61,14 +61,14 @@ def test_kubeflow_trainer_pet_set():
     assert (i.rank, i.size, i.local_rank, i.local_size) == (3, 6, 1, 2)
     assert (i.rendezvous_addr, i.rendezvous_port) == ("job-node-0-0.job", 29400)
     assert i.source == "Kubeflow Trainer (PET_*)" and not i.serve
-    first = from_environ(dict(PET, PET_NODE_RANK="0"))
+    first = from_environ(dict(PET, PET_NODE_RANK="0", LOCAL_RANK="0"))
     assert (first.rank, first.local_rank, first.serve) == (0, 0, True)
 
 
 def test_kubeflow_trainer_needs_a_number_of_processes_per_node():
     with pytest.raises(ValueError, match="PET_NPROC_PER_NODE='auto'"):
         from_environ(dict(PET, PET_NPROC_PER_NODE="auto"))
-    assert from_environ(dict(PET, PET_NNODES="3:3")).size == 6
+    assert from_environ(dict(PET, PET_NNODES="3:3", LOCAL_RANK="0")).size == 6
 
 
 def test_slurm_set():
@@ -156,7 +156,8 @@ def test_tf_config_errors():
 
 
 def test_precedence_first_complete_set_wins():
-    everything = {**TF, **SLURM, **PET, **TORCHRUN, **HOROVOD, **HOROLITE}
+    everything = {**TF, **SLURM, **PET, **TORCHRUN, **HOROVOD, **HOROLITE,
+                  "TORCHELASTIC_RUN_ID": "x"}  # (PET_* with RANK: torchrun in Trainer's pods)
     order = ["HOROLITE_*", "Horovod Gloo", "torchrun", "Kubeflow", "Slurm", "TF_CONFIG"]
     sets = [HOROLITE, HOROVOD, TORCHRUN, PET, SLURM, TF]
     for i, expected in enumerate(order):
