@@ -209,7 +209,8 @@ class _Driver:
 
     def _publish_plan(self, workers) -> None:
         slots = {w.name: getattr(w, "slot", None) for w in workers}
-        plan = plan_for(self.generation, [w.name for w in workers], {w.name: w.host for w in workers},
+        plan = plan_for(self.generation, [w.name for w in workers],
+                        {w.name: w.host for w in workers},
                         None if None in slots.values() else slots)
         self.server.put(SCOPE, f"plan.{self.generation}", json.dumps(plan).encode())
         self.server.put(SCOPE, "latest", str(self.generation).encode())
