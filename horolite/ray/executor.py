@@ -107,9 +107,7 @@ class RayExecutor:
 
     # --- starting ---
     def _bundles(self):
-        unit = {"CPU": self.cpus_per_worker}
-        if self.use_gpu:
-            unit["GPU"] = self.gpus_per_worker
+        unit = self._unit()
         if self.num_workers:
             return [dict(unit) for _ in range(self.num_workers)], "PACK", 1
         per = self.num_workers_per_host
@@ -121,8 +119,10 @@ class RayExecutor:
         if current is not None:
             _log.info("using the placement group this driver runs in "
                       "(use_current_placement_group=False for one of its own)")
+            # (its bundles are the caller's: a Tune trial's trainable holds one of them, so
+            # a worker takes any with room, as Horovod's do; bundle index -1)
             count = self.num_workers or self.num_hosts * self.num_workers_per_host
-            return current, False, [i % len(current.bundle_specs) for i in range(count)]
+            return current, False, [-1] * count
         bundles, strategy, per = self._bundles()
         group = placement_group(bundles, strategy=strategy)
         wait = self.settings.placement_group_timeout_s
@@ -159,8 +159,8 @@ class RayExecutor:
         actor = ray.remote(actors.Worker)
         started = [actor.options(**self._worker_options(self._group, b)).remote()
                    for b in bundles]
-        nodes = ray.get([w.node.remote() for w in started])
-        address = ray.get(self._rendezvous.address.remote())
+        self.workers = started  # (shutdown() ends them if what follows fails)
+        nodes, address = self._started(started)
         self.placed = place(nodes, address, key, float(self.settings.timeout_s))
         self.workers = [started[p.worker] for p in self.placed]
         common = dict(forwarded_settings(), **{k: str(v) for k, v in
@@ -172,6 +172,29 @@ class RayExecutor:
         _log.info("%d workers on %d nodes: %s", len(self.workers),
                   len({p.node.node_id for p in self.placed}),
                   ", ".join(f"rank {p.rank} on {p.node.label()}" for p in self.placed))
+
+    def _started(self, started):
+        """Where each started worker runs, and the rendezvous' address: waited for at most
+        placement_group_timeout_s (a worker that finds no room pends silently in Ray)."""
+        wait = float(self.settings.placement_group_timeout_s)
+        refs = [w.node.remote() for w in started] + [self._rendezvous.address.remote()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        if len(ready) < len(refs):
+            came = sum(1 for r in refs[:-1] if r in ready)
+            where = "the placement group" + (" this driver runs in" if not self._own_group
+                                            else "") + f" ({self._group.bundle_specs})"
+            self.shutdown()
+            raise TimeoutError(
+                f"{came} of {len(started)} workers ({self._unit()} each) started within "
+                f"{wait:g} s (placement_group_timeout_s) in {where}: Ray has "
+                f"{_free()} free now")
+        return ray.get(refs[:-1]), ray.get(refs[-1])
+
+    def _unit(self) -> dict:
+        unit = {"CPU": self.cpus_per_worker}
+        if self.use_gpu:
+            unit["GPU"] = self.gpus_per_worker
+        return unit
 
     # --- running ---
     def execute(self, fn: Callable[[Any], Any], callbacks: Optional[List[Callable]] = None
@@ -301,6 +324,13 @@ class RayExecutor:
         if self._group is not None and self._own_group:
             remove_placement_group(self._group)
         self._group = None
+
+
+def _free() -> dict:
+    """What the cluster has free, less the placement groups' own names for it."""
+    return {k: v for k, v in ray.available_resources().items()
+            if "_group_" not in k and not k.startswith(("node:", "memory",
+                                                        "object_store_memory"))}
 
 
 def _told_by_a_peer(error: BaseException) -> bool:
