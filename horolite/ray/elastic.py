@@ -28,7 +28,6 @@ from horolite.world.generations import JOIN, TIMEOUT, WORKER
 from . import actors
 from .failures import RAY, USER, classify, node_failed
 from .gpus import user_picks_device
-from .layout import forwarded_settings
 from .ray_logger import Listener
 
 __all__ = ["ElasticDriver", "RayNodes"]
@@ -255,8 +254,7 @@ class ElasticDriver:
     def start(self, executable_cls, executable_args, executable_kwargs, extra_env_vars):
         ex = self.executor
         ex.executable = (executable_cls, executable_args, executable_kwargs)
-        ex.common_env = dict(forwarded_settings(), **{k: str(v) for k, v in
-                                                      (extra_env_vars or {}).items()})
+        ex.common_env = ex.common_settings(extra_env_vars)
         self.started = True
 
     def run(self, fn: Callable[[Any], Any], callbacks=None) -> List[Any]:

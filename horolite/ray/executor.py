@@ -30,7 +30,7 @@ from horolite.errors import HorovodInternalError
 from . import actors
 from .failures import RAY, classify
 from .ray_logger import Listener
-from .layout import forwarded_settings, place
+from .layout import forwarded_settings, nic_settings, place
 
 __all__ = ["RayExecutor", "MiniSettings"]
 
@@ -40,9 +40,9 @@ _log = logging.getLogger("horolite.ray")
 @dataclasses.dataclass
 class MiniSettings:
     """Horovod's settings for a Ray job (the fields its RayExecutor reads)."""
-    nics: Optional[set] = None
+    nics: Optional[set] = None  # the interfaces the ranks use (layout.nic_settings)
     verbose: int = 1
-    key: Optional[str] = None
+    key: Optional[str] = dataclasses.field(default=None, repr=False)  # (unused: see docs)
     ssh_port: Optional[int] = None
     ssh_identity_file: Optional[str] = None
     timeout_s: int = 300
@@ -86,6 +86,13 @@ class RayExecutor:
             raise ValueError(f"gpus_per_worker must be >= 1: got {gpus_per_worker}")
         if min_workers is None and not num_workers and not num_hosts:
             raise ValueError("give num_workers, or num_hosts and num_workers_per_host")
+        if num_workers and num_hosts:
+            raise ValueError("give num_workers (placed where Ray finds room) or num_hosts "
+                             "and num_workers_per_host, not both")
+        if min_workers is not None and not override_discovery:
+            raise ValueError("override_discovery=False: horolite's elastic jobs on Ray find "
+                             "their hosts from Ray's live nodes only (a discovery of your "
+                             "own is not supported); leave override_discovery=True")
         self.settings = settings
         self.num_workers, self.num_hosts = num_workers, num_hosts
         self.num_workers_per_host = num_workers_per_host
@@ -106,6 +113,12 @@ class RayExecutor:
             self._elastic = None
 
     # --- starting ---
+    def common_settings(self, extra_env_vars: Optional[Dict] = None) -> Dict[str, str]:
+        """What every worker is told besides its place: the driver's settings, the
+        interfaces of `nics`, then `extra_env_vars`."""
+        return dict(forwarded_settings(), **nic_settings(getattr(self.settings, "nics", None)),
+                    **{k: str(v) for k, v in (extra_env_vars or {}).items()})
+
     def _bundles(self):
         unit = self._unit()
         if self.num_workers:
@@ -163,8 +176,7 @@ class RayExecutor:
         nodes, address = self._started(started)
         self.placed = place(nodes, address, key, float(self.settings.timeout_s))
         self.workers = [started[p.worker] for p in self.placed]
-        common = dict(forwarded_settings(), **{k: str(v) for k, v in
-                                               (extra_env_vars or {}).items()})
+        common = self.common_settings(extra_env_vars)
         ray.get([w.update_env_vars.remote(dict(common, **p.env))
                  for w, p in zip(self.workers, self.placed)])
         ray.get([w.start_executable.remote(executable_cls, executable_args, executable_kwargs)

@@ -16,7 +16,7 @@ from .gpus import shared_gpus, user_picks_device
 from horolite.core.settings import PREFIXES, WORLD
 from horolite.launcher.gloo import rank_env, slots_for
 
-__all__ = ["Placed", "NodeInfo", "place", "forwarded_settings"]
+__all__ = ["Placed", "NodeInfo", "place", "forwarded_settings", "nic_settings"]
 
 # What a rank learns who it is from is the layout's (settings.WORLD, less the interface and
 # the timeout, which are settings); the elastic driver names its workers. Everything else
@@ -71,3 +71,16 @@ def forwarded_settings(environ: Mapping[str, str] = os.environ) -> Dict[str, str
     return {name: value for name, value in environ.items()
             if name.startswith(PREFIXES)
             and name.split("_", 1)[1] not in _IDENTITY}
+
+
+def nic_settings(nics) -> Dict[str, str]:
+    """Horovod's ``nics`` (the interfaces its ranks use) as horolite's settings: its TCP
+    connections on exactly those (HOROLITE_TCP_IFACE, NCCL_SOCKET_IFNAME's "=" form),
+    and Horovod's GLOO_IFACE name, one of them, for code that reads it."""
+    if not nics:
+        return {}
+    if isinstance(nics, str):
+        nics = [nics]
+    names = sorted(str(n) for n in nics)
+    return {"HOROLITE_TCP_IFACE": "=" + ",".join(names), "HOROLITE_GLOO_IFACE": names[0],
+            "HOROVOD_GLOO_IFACE": names[0]}

@@ -12,13 +12,13 @@ import dataclasses
 import logging
 import os
 import secrets
-from typing import Dict
+from typing import Dict, Optional, Set
 
 import ray
 from ray.train.backend import Backend, BackendConfig
 
 from . import actors
-from .layout import forwarded_settings, place
+from .layout import forwarded_settings, nic_settings, place
 
 __all__ = ["HorovodConfig"]
 
@@ -27,15 +27,27 @@ _log = logging.getLogger("horolite.ray")
 
 @dataclasses.dataclass
 class HorovodConfig(BackendConfig):
-    """timeout_s: how long the ranks wait for each other at init()."""
+    """Ray Train's (former) HorovodConfig's fields, in its order. Used here: ``nics``
+    (the interfaces the ranks connect on) and ``timeout_s`` (how long they wait for each
+    other at init()). Accepted for code written for it, with nothing to do: ``verbose``,
+    ``key`` (each run makes a key of its own), the ssh fields (Ray starts the workers)
+    and ``placement_group_timeout_s`` (Ray Train places the workers)."""
+    nics: Optional[Set[str]] = None
+    verbose: int = 1
+    key: Optional[str] = dataclasses.field(default=None, repr=False)
+    ssh_port: Optional[int] = None
+    ssh_identity_file: Optional[str] = None
+    ssh_str: Optional[str] = None
     timeout_s: int = 300
+    placement_group_timeout_s: int = 100
 
     @property
     def backend_cls(self):
         return _HorovodBackend
 
     def to_dict(self):
-        return {"timeout_s": self.timeout_s}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "key"}
 
 
 def _set_env(env: Dict[str, str]) -> None:
@@ -55,7 +67,7 @@ class _HorovodBackend(Backend):
         self._rendezvous = ray.remote(actors.Rendezvous).options(num_cpus=0).remote(key)
         address = ray.get(self._rendezvous.address.remote())
         placed = place(nodes, address, key, float(backend_config.timeout_s), keep_order=True)
-        common = forwarded_settings()
+        common = dict(forwarded_settings(), **nic_settings(backend_config.nics))
         ray.get([worker_group.execute_single_async(p.rank, _set_env, dict(common, **p.env))
                  for p in placed])
 

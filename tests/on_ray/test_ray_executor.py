@@ -1,5 +1,6 @@
 """horolite.ray.RayExecutor on a real two-node Ray cluster: Horovod's API at 1-4 workers
 against NumPy, placement per node, the environment, and failures named in the driver."""
+import dataclasses
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ ray = pytest.importorskip("ray")  # (conftest's fixture fails the run where Ray 
 
 from horolite.errors import HorovodInternalError  # noqa: E402
 from horolite.ray import RayExecutor  # noqa: E402
+from horolite.ray.layout import nic_settings  # noqa: E402
 
 
 def inputs(rank):
@@ -97,20 +99,25 @@ def test_num_hosts_places_each_hosts_workers_on_its_own_node(ray_cluster):
         executor.shutdown()
 
 
-def test_driver_settings_and_extra_env_vars_reach_the_workers(ray_cluster, monkeypatch):
+def test_driver_settings_nics_and_extra_env_vars_reach_the_workers(ray_cluster, monkeypatch):
     monkeypatch.setenv("HOROLITE_FUSION_THRESHOLD", "131072")
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "3")
-    executor = RayExecutor(RayExecutor.create_settings(), num_workers=2)
+    # Horovod's nics: the ranks' connections on exactly that interface (loopback here,
+    # which horolite's own choice would leave out), and the world forms over it
+    executor = RayExecutor(RayExecutor.create_settings(nics={"lo"}), num_workers=2)
     executor.start(extra_env_vars={"MY_SETTING": 5})
 
     def read():
         import horolite as hvd
         hvd.init()
         from horolite.runtime import registry
+        total = hvd.allreduce(np.array([1.0]), op=hvd.Sum, name="over_lo")[0]
         return (os.environ.get("MY_SETTING"), os.environ.get("HOROVOD_CYCLE_TIME"),
-                registry.current().config.fusion_threshold)
+                registry.current().config.fusion_threshold, os.environ["HOROLITE_TCP_IFACE"],
+                os.environ["HOROVOD_GLOO_IFACE"], float(total))
     try:
-        assert executor.run(read) == [("5", "3", 131072)] * 2
+        assert executor.run(read) == [("5", "3", 131072, "=lo", "lo", 2.0)] * 2
+        assert "HOROLITE_JOB_KEY" not in repr(executor.placed) + repr(executor.settings)
     finally:
         executor.shutdown()
 
@@ -231,6 +238,21 @@ def test_arguments_are_checked_as_horovods_are():
         RayExecutor(settings, num_workers=2, gpus_per_worker=1)
     with pytest.raises(ValueError, match="max_workers"):
         RayExecutor(settings, max_workers=3)
+    with pytest.raises(ValueError, match="not both"):  # (Horovod asserts it)
+        RayExecutor(settings, num_workers=2, num_hosts=2)
+    with pytest.raises(ValueError, match="override_discovery=False: horolite's elastic jobs"):
+        RayExecutor(settings, min_workers=1, override_discovery=False)
+    # Horovod's settings key and Ray Train's HorovodConfig fields (in Ray's order)
+    assert "sekrit" not in repr(RayExecutor.create_settings()) + repr(
+        dataclasses.replace(settings, key="sekrit"))
+    from horolite.ray import HorovodConfig
+    config = HorovodConfig({"eth0"}, 1, "sekrit", None, None, None, 60, 10)
+    assert (config.nics, config.timeout_s, config.placement_group_timeout_s) == \
+        ({"eth0"}, 60, 10)
+    assert "sekrit" not in repr(config) + repr(config.to_dict())
+    assert nic_settings({"eth1", "eth0"}) == {"HOROLITE_TCP_IFACE": "=eth0,eth1",
+                                              "HOROLITE_GLOO_IFACE": "eth0",
+                                              "HOROVOD_GLOO_IFACE": "eth0"}
 
 
 def test_without_ray_the_import_error_names_the_extra():
