@@ -139,7 +139,7 @@ def test_a_squatted_slurm_port_costs_a_moment_not_the_job(tmp_path):
                  SLURM_JOB_ID=str(os.getpid()), SLURM_STEP_ID="0")
     port = slurm_port(slurm)
     # The squatter accepts and never speaks (another job's or user's server, say).
-    with socket.create_server(("127.0.0.1", port)) as squatter:
+    with socket.create_server(("127.0.0.1", port)):
         procs = start([clean_env(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **slurm)
                        for r in range(2)], tmp_path)
         outs = finish(procs)

@@ -21,6 +21,7 @@ __all__ = ["open_world", "reopen", "gloo_timeout", "identity_used"]
 
 DEFAULT_TIMEOUT = 30.0  # horovodrun --gloo-timeout-seconds' default
 _identity = None  # where this rank learned who it is (jobs without MPI)
+_key_kept: dict = {}  # {identity: the job's key}, once it left the environment
 
 
 def identity_used():
@@ -98,12 +99,26 @@ def _open_sockets(found, environ: Mapping[str, str], generation: int = 0, supers
     from ..core import mpi_library
     from ..core.settings import env_value
     settings_iface = env_value("TCP_IFACE", environ) or env_value("GLOO_IFACE", environ) or ""
-    key = identity_mod.job_key(environ) if found.size > 1 or generation else None
+    key = None
+    if found.size > 1 or generation:
+        key = identity_mod.job_key(environ) or _key_kept.get(found)
+    worker = generations.worker(environ) or ""
     sockets.open_world(found, key, gloo_timeout(environ) if timeout is None else timeout,
-                       settings_iface, generation, superseded, generations.worker(environ) or "")
+                       settings_iface, generation, superseded, worker)
     mpi_library.use(sockets)
     _identity = found
+    if key is not None and not worker:
+        _forget_key(found, key, environ)
     return sockets
+
+
+def _forget_key(found, key: bytes, environ: Mapping[str, str]) -> None:
+    """Once the ranks met, the key leaves the environment: processes the script starts
+    later do not inherit it. This process keeps it (a later init() of the same job);
+    an elastic worker's stays, for the launcher's later generations to be read with."""
+    _key_kept[found] = key
+    if environ is os.environ:
+        os.environ.pop("HOROLITE_JOB_KEY", None)
 
 
 def reopen(found, generation: int, superseded=None, environ: Mapping[str, str] = os.environ):

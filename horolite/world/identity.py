@@ -400,8 +400,13 @@ def job_key(environ: Mapping[str, str] = os.environ) -> Optional[bytes]:
         try:
             with open(environ["HOROLITE_JOB_KEY_FILE"].strip(), "rb") as f:
                 raw = f.read(1 << 20)
+                mode = os.fstat(f.fileno()).st_mode
         except OSError as e:
             raise ValueError(f"{where} cannot be read: {e.strerror or e}") from None
+        if mode & 0o077:
+            _warn_once(f"{where} can be read by other users (mode {mode & 0o777:04o}): "
+                       f"anyone who reads the key can join or disturb the job; `chmod 600` it "
+                       f"(a Kubernetes Secret's file is private to the pod already)")
         key = _hex_or_raw(raw)
     else:
         return None
@@ -409,6 +414,14 @@ def job_key(environ: Mapping[str, str] = os.environ) -> Optional[bytes]:
         raise ValueError(f"{where} holds {len(key)} bytes; the job key needs at least "
                          f"{MIN_KEY_BYTES}")
     return key
+
+
+def _warn_once(text: str) -> None:
+    with _logged_lock:
+        if text in _logged:
+            return
+        _logged.add(text)
+    _log.warning(text)
 
 
 def _hex_or_raw(raw: bytes) -> bytes:

@@ -6,9 +6,14 @@ be deleted when that generation is over. Values are bytes and the framing is our
 (a 4-byte length, then fields each with a 4-byte length): nothing here is unpickled,
 and no frame may claim more than MAX_FRAME, so garbage cannot make the server allocate.
 
-Anything may connect to the port while the job starts, so each connection says its
-hello in a thread of its own under a deadline (HELLO_SECONDS), and one that is silent,
-speaks garbage or lacks the key is dropped (logged at debug) while the others go on.
+Anything may connect to the port, so each connection says its hello in a thread of
+its own under a deadline for the whole hello (HELLO_SECONDS, however slowly its bytes
+come), at most MAX_UNPROVEN such connections wait at once (the oldest is cut off), and
+one that is silent, speaks garbage or lacks the key is dropped (logged at debug) while
+the others go on. In a world's scope ("world", "world.<n>") the first put of a rank
+wins: another process's claim of it is refused, and everyone waiting there is told,
+naming both claimants.
+
 The hello is two-way and the key never crosses the wire:
 
     server -> client   MAGIC, VERSION, server nonce
@@ -21,7 +26,6 @@ neither encrypted nor signed. Waits happen on the server, on a condition, not by
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import logging
 import os
@@ -30,139 +34,25 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
+
+from .rendezvous_client import RendezvousClient
+from .rendezvous_wire import (_ANSWER, _CLAIMED, _DELETE, _GET, _LATE, _LEN, _MISSING, _OK,
+                              _PUT, _SECONDS, _VALUE, _WAIT_ALL, HELLO_SECONDS, HOSTS,
+                              MAC_BYTES, MAGIC, MAX_FRAME, NONCE_BYTES, VERSION,
+                              RendezvousClaimed, RendezvousError, RendezvousTimeout,
+                              _check_key, _Claimed,
+                              _client_mac, _Closes, _fields, _frame, _read_frame,
+                              _recv_exactly, _server_mac, _Stranger)
 
 __all__ = ["RendezvousServer", "RendezvousClient", "RendezvousError", "RendezvousTimeout",
-           "RendezvousClaimed",
-           "HELLO_SECONDS", "MAX_FRAME", "HOSTS"]
+           "RendezvousClaimed", "HELLO_SECONDS", "MAX_FRAME", "HOSTS"]
 
 _log = logging.getLogger("horolite.world.rendezvous")
 
-MAGIC, VERSION = b"HLRV", 1
-CONTEXT = b"horolite-rendezvous"
-NONCE_BYTES, MAC_BYTES = 16, 32
-MIN_KEY_BYTES = 16
-MAX_FRAME = 16 << 20
-# A client's hello arrives within milliseconds of its connect; a silent stranger holds
-# only its own thread this long.
-HELLO_SECONDS = 10.0
 # Connections that have not yet proved the key: beyond this many, the oldest is cut off,
 # so strangers hold at most this many threads and descriptors of the serving process.
 MAX_UNPROVEN = 64
-_ANSWER_SECONDS = 30.0  # a client's wait for an answer, beyond the wait it asked for
-# A client's wait for the greeting where the server may be on one of several ports: ours
-# greets at once, a squatter never.
-_PROBE_SECONDS = 2.0
-_LEN, _SECONDS = struct.Struct(">I"), struct.Struct(">d")
-# (scope, key) where a launcher that laid the ranks out puts each rank's host, one a line
-# in rank order: a rank left waiting for one that never came can say where it should be.
-HOSTS = ("launcher", "hosts")
-_GREETING, _ANSWER = len(MAGIC) + 1 + NONCE_BYTES, len(MAGIC) + 1 + NONCE_BYTES + MAC_BYTES
-
-_PUT, _GET, _WAIT_ALL, _DELETE = b"P", b"G", b"W", b"D"
-_OK, _VALUE, _LATE, _MISSING, _CLAIMED = b"K", b"V", b"T", b"M", b"C"
-
-
-class RendezvousError(ConnectionError):
-    """The rendezvous server could not be reached, refused us, or went away."""
-
-
-class RendezvousTimeout(RendezvousError, TimeoutError):
-    """What was waited for was not put in time; the message names every missing key."""
-
-
-class RendezvousClaimed(RendezvousError):
-    """Two processes claimed one key of a world's scope (a rank started twice): `key`,
-    and for each claimant, first the winner, (its address, the value it put)."""
-
-    def __init__(self, where: str, scope: str, fields: List[bytes]):
-        self.key = fields[0].decode()
-        self.first = (fields[1].decode(), fields[2])
-        self.second = (fields[3].decode(), fields[4])
-        super().__init__(f"{where}: {self.key!r} of scope {scope!r} was claimed twice, by "
-                         f"{self.first[0]} and then by {self.second[0]}")
-
-
-class _Claimed(Exception):
-    def __init__(self, fields: List[bytes]):
-        super().__init__("claimed twice")
-        self.fields = fields
-
-
-class _Stranger(Exception):
-    """The far end does not speak this protocol, or not with this job's key."""
-
-
-def _client_mac(key: bytes, snonce: bytes, cnonce: bytes) -> bytes:
-    return hmac.new(key, CONTEXT + snonce + cnonce, hashlib.sha256).digest()
-
-
-def _server_mac(key: bytes, snonce: bytes, cnonce: bytes) -> bytes:
-    return hmac.new(key, CONTEXT + b"/server" + cnonce + snonce, hashlib.sha256).digest()
-
-
-def _check_key(key: bytes) -> bytes:
-    if not isinstance(key, (bytes, bytearray)) or len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"the rendezvous key must be at least {MIN_KEY_BYTES} bytes")
-    return bytes(key)
-
-
-def _recv_exactly(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
-    """n bytes; with a `deadline` (time.monotonic()), all by then (socket.timeout)."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("timed out")
-            sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise EOFError(f"the connection closed after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
-
-
-def _frame(op: bytes, *fields: bytes) -> bytes:
-    body = op + b"".join(_LEN.pack(len(f)) + f for f in fields)
-    if len(body) > MAX_FRAME:
-        raise ValueError(f"a rendezvous message of {len(body)} bytes is over the limit "
-                         f"of {MAX_FRAME}")
-    return _LEN.pack(len(body)) + body
-
-
-def _read_frame(sock: socket.socket) -> bytes:
-    (n,) = _LEN.unpack(_recv_exactly(sock, _LEN.size))
-    if not 0 < n <= MAX_FRAME:
-        raise _Stranger(f"a frame of {n} bytes (the limit is {MAX_FRAME})")
-    return _recv_exactly(sock, n)
-
-
-def _fields(body: bytes) -> List[bytes]:
-    out, at = [], 1
-    while at < len(body):
-        if at + _LEN.size > len(body):
-            raise _Stranger("a frame ends inside a field's length")
-        (n,) = _LEN.unpack_from(body, at)
-        at += _LEN.size
-        if at + n > len(body):
-            raise _Stranger("a field runs past the end of its frame")
-        out.append(body[at:at + n])
-        at += n
-    return out
-
-
-def _seconds(timeout: Optional[float]) -> bytes:
-    return _SECONDS.pack(-1.0 if timeout is None else max(0.0, float(timeout)))
-
-
-class _Closes:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class RendezvousServer(_Closes):
@@ -383,155 +273,3 @@ def _gone(sock: socket.socket) -> bool:
         return bool(readable) and not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except (OSError, ValueError):
         return True
-
-
-class RendezvousClient(_Closes):
-    """A connection to the store at addr:port. The server may start after this client
-    (other ranks often come before rank 0): connecting is retried for `timeout` seconds.
-    Requests from several threads take turns."""
-
-    def __init__(self, addr: str, port: int, key: bytes, timeout: float = 30.0,
-                 ports: Sequence[int] = ()):
-        """`ports`: every port the server may be on (rendezvous_ports.py), `port` first;
-        then a server that fails the key's proof is another's, and the next is tried."""
-        self.ports = tuple(ports) or (port,)
-        self.addr, self.port, self._key = addr, self.ports[0], _check_key(key)
-        self._timeout = timeout
-        self._where = self._at(self.port)
-        self._lock = threading.Lock()
-        self._broken: Optional[str] = None
-        self._sock = self._connect()
-
-    def _at(self, port: int) -> str:
-        return f"the rendezvous server at {self.addr}:{port}"
-
-    def _connect(self) -> socket.socket:
-        deadline = time.monotonic() + self._timeout
-        pause, last = 0.05, {}
-        several = len(self.ports) > 1
-        while True:
-            for port in self.ports:
-                left = deadline - time.monotonic()
-                # (one of several may be a squatter that accepts and says nothing)
-                wait = max(0.1, min(left, _PROBE_SECONDS if several else HELLO_SECONDS))
-                try:
-                    sock = socket.create_connection((self.addr, port), timeout=wait)
-                except OSError as e:
-                    last[port] = e.strerror or str(e) or type(e).__name__
-                    continue
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    greeting = _recv_exactly(sock, _GREETING)
-                except (OSError, EOFError) as e:  # (a server closing, or a silent squatter)
-                    sock.close()
-                    last[port] = f"no greeting ({e})"
-                    continue
-                self._where = self._at(port)
-                try:
-                    self._hello(sock, greeting)
-                except (RendezvousError, OSError) as e:
-                    if not several:
-                        raise
-                    last[port] = str(e)  # (another job's, or a stranger's: the next one)
-                    continue
-                sock.settimeout(None)
-                self.port = port
-                return sock
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if not several:
-                    raise RendezvousError(f"{self._where} did not answer within "
-                                          f"{self._timeout:g} s ({last[self.port]})")
-                raise RendezvousError(
-                    f"no rendezvous server of this job answered at {self.addr} on any of "
-                    f"ports {', '.join(map(str, self.ports))} within {self._timeout:g} s ("
-                    + "; ".join(f"{p}: {why}" for p, why in last.items()) + ")")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 1.0)
-
-    def _hello(self, sock: socket.socket, greeting: bytes) -> None:
-        try:
-            if greeting[:len(MAGIC)] != MAGIC or greeting[len(MAGIC)] != VERSION:
-                raise RendezvousError(f"{self._where} is not a horolite rendezvous "
-                                      f"(of this version)")
-            snonce, cnonce = greeting[len(MAGIC) + 1:], os.urandom(NONCE_BYTES)
-            sock.sendall(MAGIC + bytes([VERSION]) + cnonce + _client_mac(self._key, snonce, cnonce))
-            try:
-                proof = _recv_exactly(sock, MAC_BYTES)
-            except (OSError, EOFError):
-                raise RendezvousError(f"{self._where} refused our hello: it does not "
-                                      f"share this job's key") from None
-            if not hmac.compare_digest(proof, _server_mac(self._key, snonce, cnonce)):
-                raise RendezvousError(f"{self._where} answered our hello without this "
-                                      f"job's key: not this job's server")
-        except BaseException:
-            sock.close()
-            raise
-
-    def _request(self, frame: bytes, wait: Optional[float]) -> List[bytes]:
-        """Send one request; its reply frames (the first one says how many more follow)."""
-        with self._lock:
-            if self._broken:
-                raise RendezvousError(self._broken)
-            try:
-                self._sock.settimeout(None if wait is None else wait + _ANSWER_SECONDS)
-                self._sock.sendall(frame)
-                out = [_read_frame(self._sock)]
-                if out[0][:1] == _OK and _fields(out[0]):
-                    (more,) = _LEN.unpack(_fields(out[0])[0])
-                    out += [_read_frame(self._sock) for _ in range(more)]
-                return out
-            except (OSError, EOFError, _Stranger, struct.error) as e:
-                why = "it stopped answering" if isinstance(e, socket.timeout) else str(e)
-                self._broken = f"{self._where} went away ({why})"
-                self._sock.close()
-                raise RendezvousError(self._broken) from None
-
-    def _claimed(self, scope: str, reply: bytes) -> None:
-        if reply[:1] == _CLAIMED:
-            raise RendezvousClaimed(self._where, scope, _fields(reply))
-
-    def put(self, scope: str, key: str, value: bytes) -> None:
-        """RendezvousClaimed if another process put a different value under key first
-        (in a world's scope)."""
-        (reply,) = self._request(_frame(_PUT, scope.encode(), key.encode(), bytes(value)), 0.0)
-        self._claimed(scope, reply)
-
-    def get(self, scope: str, key: str, timeout: Optional[float] = None) -> bytes:
-        """The value of key, once some client puts it (None: however long that takes)."""
-        (reply,) = self._request(_frame(_GET, scope.encode(), key.encode(), _seconds(timeout)),
-                                 timeout)
-        self._claimed(scope, reply)
-        if reply[:1] == _LATE:
-            raise RendezvousTimeout(f"{self._where}: {key!r} of scope {scope!r} was not "
-                                    f"put within {timeout:g} s")
-        return _fields(reply)[0]
-
-    def wait_all(self, scope: str, keys: Sequence[str], timeout: float,
-                 describe: Callable[[str], str] = str,
-                 waited: Optional[float] = None) -> Dict[str, bytes]:
-        """Every key's value once all are put; RendezvousTimeout naming each missing one
-        (as `describe(key)` says it) when `timeout` passes first (`waited`: the whole wait
-        to name, when this is its last slice)."""
-        keys = list(keys)
-        replies = self._request(_frame(_WAIT_ALL, scope.encode(), _seconds(timeout),
-                                       *(k.encode() for k in keys)), timeout)
-        self._claimed(scope, replies[0])
-        if replies[0][:1] == _MISSING:
-            missing = [k.decode() for k in _fields(replies[0])]
-            raise RendezvousTimeout(
-                f"{self._where}: after {timeout if waited is None else waited:g} s, scope "
-                f"{scope!r} still lacks "
-                f"{len(missing)} of {len(keys)}: " + ", ".join(describe(k) for k in missing))
-        return {k: _fields(r)[0] for k, r in zip(keys, replies[1:])}
-
-    def delete_scope(self, scope: str) -> None:
-        """Forget every key of scope (a world generation that is over)."""
-        self._request(_frame(_DELETE, scope.encode()), 0.0)
-
-    def close(self) -> None:
-        """Close the connection; a request another thread waits on fails at once."""
-        self._broken = self._broken or "this rendezvous client is closed"
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()

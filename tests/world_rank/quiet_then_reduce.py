@@ -1,6 +1,6 @@
 """One rank of a job without mpirun that goes quiet between two allreduces
 (tests/test_world_setup.py): a pair of ranks silent longer than any set-up timeout
-is not a lost one.
+is not a lost one. The job's key has left the environment once the ranks met.
 
     python quiet_then_reduce.py OUTDIR SECONDS
 """
@@ -14,6 +14,7 @@ import horolite as hvd
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
+assert "HOROLITE_JOB_KEY" not in os.environ  # (what the script starts does not inherit it)
 for step in range(2):
     if step:
         time.sleep(float(sys.argv[2]))

@@ -131,6 +131,8 @@ def test_an_address_that_drops_packets_costs_one_attempt_not_the_deadline(monkey
         sock.close()
     finally:
         acceptor.close()
+        for s in [s for pair in acceptor.taken().values() for s in pair if s]:
+            s.close()
 
 
 def test_a_dial_that_never_reaches_names_every_address_tried():
@@ -159,7 +161,7 @@ def test_strangers_beyond_the_cap_cut_off_the_oldest_and_a_rank_still_gets_in(mo
         sock.close()
     finally:
         acceptor.close()
-        for s in strangers:
+        for s in strangers + [s for pair in acceptor.taken().values() for s in pair if s]:
             s.close()
 
 

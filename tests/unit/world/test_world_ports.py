@@ -62,3 +62,21 @@ def test_a_pytorchjob_pod_counted_as_two_processes_but_run_as_one_is_named_with_
     pet_only = {k: v for k, v in PYTORCHJOB.items() if k.startswith("PET_")}
     with pytest.raises(ValueError, match="PET_NPROC_PER_NODE=2: .*without torchrun"):
         from_environ(pet_only)
+
+
+def test_a_key_file_others_can_read_is_warned_about_once(tmp_path, caplog):
+    from horolite.world import identity
+    path = tmp_path / "key"
+    path.write_bytes(b"k" * 32)
+    path.chmod(0o644)
+    env = {"HOROLITE_JOB_KEY_FILE": str(path)}
+    with caplog.at_level("WARNING", logger="horolite.world.identity"):
+        assert identity.job_key(env) == b"k" * 32
+        identity.job_key(env)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "mode 0644" in said[0] and "chmod 600" in said[0], said
+    path.chmod(0o600)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="horolite.world.identity"):
+        identity.job_key(env)
+    assert not caplog.records
