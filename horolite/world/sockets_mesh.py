@@ -84,16 +84,18 @@ class Mesh:
             return
         if dest in self.lost:
             raise self.lost[dest]
-        if self._closing:
-            raise LinkLost(f"rank {self.rank} left this world", [dest])
         sock = self._socks.get(dest)
         if sock is None:
             raise ValueError(f"rank {self.rank} has no connection to rank {dest}")
         try:
             with self._send_locks[dest]:
+                if self._closing:  # (under the lock: nothing follows a FENCE)
+                    raise LinkLost(f"rank {self.rank} left this world", [dest])
                 sock.sendall(HEADER.pack(context, tag, len(view)))
                 if len(view):
                     sock.sendall(view)
+        except LinkLost:
+            raise
         except BaseException as e:  # (a send cut off mid-frame: the stream is garbled)
             why = str(e) or type(e).__name__
             if not isinstance(e, OSError):
@@ -238,7 +240,9 @@ class Mesh:
                 close_socket(sock)
                 continue
             try:
+                sock.settimeout(FENCE_SECONDS)  # (a partitioned peer's full buffer)
                 sock.sendall(HEADER.pack(FENCE, 0, 0))
+                sock.settimeout(None)
             except OSError:
                 close_socket(sock)
                 continue
