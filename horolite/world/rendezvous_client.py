@@ -23,7 +23,7 @@ __all__ = ["RendezvousClient"]
 _ANSWER_SECONDS = 30.0  # a client's wait for an answer, beyond the wait it asked for
 # A client's wait for the greeting where the server may be on one of several ports: ours
 # greets at once, a squatter never.
-_PROBE_SECONDS = 2.0
+_PROBE_SECONDS = 1.0
 _REFUSALS = 3  # hellos refused in a row by the only port that end the search
 
 

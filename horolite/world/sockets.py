@@ -145,7 +145,7 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
             e.args = (_claimed_twice(e, rank, size, identity),)
             _tell_launcher(rank, f"{me} failed at init: {e}")
             if _server is not None:  # (let the others hear it before the server goes)
-                time.sleep(min(1.0, timeout))
+                time.sleep(min(0.25, timeout))
             raise
         except RendezvousTimeout as e:
             _tell_launcher(rank, f"{me} failed at init: {e}")
