@@ -133,6 +133,18 @@ def test_a_rank_claimed_twice_is_named_with_both_hosts_on_every_rank(tmp_path):
         assert "Give each node its own --node-rank" in out, out[-3000:]
 
 
+def test_ranks_that_disagree_on_the_job_size_are_named(tmp_path):
+    port = free_port()
+    envs = [dict(torchrun_env(r, n, port, local=False), HOROLITE_GLOO_TIMEOUT_SECONDS="3")
+            for r, n in ((0, 2), (1, 3))]
+    procs = start(envs, tmp_path)
+    outs = finish(procs, timeout=90)
+    assert all(p.returncode != 0 for p in procs), outs
+    assert ("rank 0 (host vm) was started as one of 2 ranks, but rank 1 (host vm) as one of 3"
+            .replace("vm", socket.gethostname())) in outs[0], outs[0][-3000:]
+    assert "lacks 1 of 3: rank 2" in outs[1], outs[1][-3000:]
+
+
 def test_a_squatted_slurm_port_costs_a_moment_not_the_job(tmp_path):
     from horolite.world.identity import slurm_port
     slurm = dict(SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost",

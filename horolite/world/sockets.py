@@ -153,6 +153,17 @@ def open_world(identity, key: Optional[bytes], timeout: float, iface: str = "",
                 time.sleep(min(LINGER_SECONDS, timeout))  # whom they waited for, not that
             raise  # the server went away
         peers = [codec.decode(found[str(q)]) for q in range(size)]
+        other = [q for q in range(size) if peers[q].get("size", size) != size]
+        if other:  # (each rank's size comes from its own environment)
+            q = other[0]
+            error = ValueError(
+                f"{me} was started as one of {size} ranks, but rank {q} (host "
+                f"{peers[q]['host']}) as one of {peers[q]['size']}: every rank needs the same "
+                f"job size ({identity.source})")
+            _tell_launcher(rank, f"{me} failed at init: {error}")
+            if _server is not None:  # (the others wait for ranks that will never come: let
+                time.sleep(min(LINGER_SECONDS, timeout))  # them say so, not that it went)
+            raise error
 
         def where(q: int) -> str:
             return f"rank {q} (host {peers[q]['host']})"
