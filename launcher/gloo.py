@@ -25,6 +25,8 @@ import socket
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from horolite.world import DEFAULT_TIMEOUT  # (horovodrun's --gloo-timeout-seconds)
+
 from . import flags
 from . import hosts as hostlib
 from .config import LaunchConfig, wrapper_argv
@@ -35,7 +37,6 @@ __all__ = ["add_gloo_flags", "RankSlot", "layout", "slots_for", "rendezvous_addr
            "build_plan", "GlooJob", "RANK_SPAWN"]
 
 RANK_SPAWN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_spawn.py")
-DEFAULT_TIMEOUT = 30.0  # horovodrun's --gloo-timeout-seconds
 
 
 def add_gloo_flags(parser: argparse.ArgumentParser) -> None:

@@ -26,6 +26,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from horolite.failure.launch_check import LAUNCHERS
 from horolite.world import rendezvous_ports
+from horolite.world.rendezvous_wire import MIN_KEY_BYTES
 from horolite.world.slurm_lists import hosts, tasks_per_node
 
 __all__ = ["Identity", "from_environ", "under_mpi_launcher", "log_once", "job_key",
@@ -33,7 +34,6 @@ __all__ = ["Identity", "from_environ", "under_mpi_launcher", "log_once", "job_ke
 
 _log = logging.getLogger("horolite.world.identity")
 
-MIN_KEY_BYTES = 16
 SLURM_PORT_BASE, SLURM_PORT_SPAN = rendezvous_ports.SLURM_BASE, rendezvous_ports.SLURM_SPAN
 
 

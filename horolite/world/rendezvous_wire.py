@@ -10,14 +10,17 @@ import struct
 import time
 from typing import List, Optional
 
+from ..transport.tcp_hello import HELLO_SECONDS  # (the ranks' own hello has the same limit)
+
+__all__ = ["MAGIC", "VERSION", "CONTEXT", "NONCE_BYTES", "MAC_BYTES", "MIN_KEY_BYTES",
+           "MAX_FRAME", "HELLO_SECONDS", "HOSTS", "RendezvousError", "RendezvousTimeout",
+           "RendezvousClaimed"]
+
 MAGIC, VERSION = b"HLRV", 1
 CONTEXT = b"horolite-rendezvous"
 NONCE_BYTES, MAC_BYTES = 16, 32
 MIN_KEY_BYTES = 16
 MAX_FRAME = 16 << 20
-# A client's hello arrives within milliseconds of its connect; a silent stranger holds
-# only its own thread this long.
-HELLO_SECONDS = 10.0
 _LEN, _SECONDS = struct.Struct(">I"), struct.Struct(">d")
 # (scope, key) where a launcher that laid the ranks out puts each rank's host, one a line
 # in rank order: a rank left waiting for one that never came can say where it should be.
