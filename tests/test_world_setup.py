@@ -87,6 +87,12 @@ def test_a_pair_quiet_for_15_s_is_not_lost(tmp_path):
                               env=dict(torchrun_env(r, 2, port), HOROLITE_STALL_CHECK_DISABLE="1"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
+    # Meanwhile rank 0's rendezvous is closed: the world formed, and nothing is elastic.
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "formed.0").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
     outs = finish(procs)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)[-4000:]
     assert marks(tmp_path, 2) == ["0 2 quiet ok", "1 2 quiet ok"]

@@ -17,6 +17,7 @@ r, n = hvd.rank(), hvd.size()
 assert "HOROLITE_JOB_KEY" not in os.environ  # (what the script starts does not inherit it)
 for step in range(2):
     if step:
+        open(os.path.join(sys.argv[1], f"formed.{r}"), "w").close()
         time.sleep(float(sys.argv[2]))
     got = hvd.allreduce(np.full(4, r + step, dtype=np.float64), name=f"x{step}", op=hvd.Sum)
     assert np.array_equal(got, np.full(4, n * (n - 1) / 2 + n * step)), got
