@@ -2,12 +2,28 @@
 reduced once, on the last of them (Horovod's semantics)."""
 from __future__ import annotations
 
+import weakref
+
 import tensorflow as tf
 
 from .functions import variable_name
 from .gradients import GradientReducer, after_all
 
-__all__ = ["LocalAggregator"]
+__all__ = ["LocalAggregator", "start_every_group_again"]
+
+_every = weakref.WeakSet()  # this process's aggregators (start_every_group_again)
+
+
+def start_every_group_again() -> None:
+    """Drop the passes summed since each aggregator's group began (eagerly): an elastic
+    state's sync calls it, so that every rank of a new world, a worker that just joined
+    too, begins a group at the same pass (else their exchanges no longer line up)."""
+    for agg in list(_every):
+        if agg.counter is not None:
+            for a in agg.accumulators:
+                if a is not None:
+                    a.assign(tf.zeros_like(a))
+            agg.counter.assign(0)
 
 
 class LocalAggregator:
@@ -26,6 +42,7 @@ class LocalAggregator:
         self.reducer = reducer
         self.counter = None
         self.accumulators = None
+        _every.add(self)
 
     def _build(self, grads, variables):
         with tf.init_scope():

@@ -22,7 +22,8 @@ from horolite.core.ops import Average, ReduceOp, Sum
 from .compression import Compression
 from .mpi_ops import (_allreduce, _grouped_allreduce, _grouped_reducescatter, _reducescatter,
                       allgather, grouped_allgather)
-from .process_sets import check_process_set, global_process_set, set_size
+from . import world_values
+from .process_sets import check_process_set, global_process_set
 
 __all__ = ["allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter",
            "handle_average_backwards_compatibility"]
@@ -56,7 +57,8 @@ def _check_sparse_op(op, prescale_factor, postscale_factor) -> None:
 def _average_values(values: tf.Tensor, op, process_set=global_process_set) -> tf.Tensor:
     if ReduceOp(op) != ReduceOp.AVERAGE:
         return values
-    return values / tf.cast(set_size(process_set), values.dtype)
+    # The set's size when the step runs: a traced step outlives an elastic re-formation.
+    return values / tf.cast(world_values.set_size(process_set), values.dtype)
 
 
 def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "",

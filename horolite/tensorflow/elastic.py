@@ -13,10 +13,12 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+import horolite as _core
 from horolite.api.basics import rank
 from horolite.elastic import (HorovodInternalError, HostsUpdatedInterrupt, ObjectState, State,
                               run_fn)
 
+from .aggregation import start_every_group_again
 from .functions import broadcast_object, broadcast_variables
 
 __all__ = ["TensorFlowKerasState", "TensorFlowState", "run", "State", "ObjectState",
@@ -54,6 +56,46 @@ def _host_array(tensor) -> np.ndarray:
     (a saved tensor is never changed, so a read-only view of it is safe to write out)."""
     view = getattr(tensor, "_numpy", None)
     return view() if view is not None else tensor.numpy()
+
+
+def _build_optimizer(optimizer, variables) -> None:
+    """Make an optimizer's slots now if it has none yet: a process that just joined holds
+    an optimizer that never stepped, and Keras 3 (at `build`, the first `apply` or `fit`'s
+    start) and TensorFlow's v1 optimizers (at their first `apply_gradients`) make their
+    variables only then; the survivors already hold them, and sync broadcasts them all."""
+    if optimizer is None or not variables:
+        return
+    if hasattr(optimizer, "built") and hasattr(optimizer, "build"):  # Keras 3
+        if not optimizer.built:
+            import keras
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(list(variables))
+            optimizer.built = True
+    elif isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        with tf.init_scope():
+            optimizer._create_slots([_value(v) for v in variables])
+
+
+def _agree_on_counts(counts: dict, name: str) -> None:
+    """Before the first broadcast of a sync: every rank holds as many variables of each
+    kind as rank 0, else a ValueError on every rank naming the counts and the ranks (a
+    broadcast of lists of different lengths would wait for ever on the longer one's tail)."""
+    kinds = list(counts)
+    mine = np.array([[counts[k] for k in kinds]], dtype=np.int64)
+    every = np.asarray(_core.allgather(mine, name=f"{name}.counts"))
+    problems = []
+    for j, kind in enumerate(kinds):
+        by_count = {}
+        for r, c in enumerate(every[:, j].tolist()):
+            by_count.setdefault(int(c), []).append(r)
+        if len(by_count) > 1:
+            problems.append(f"{kind} " + " but ".join(
+                f"{c} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                for c, rs in sorted(by_count.items(), key=lambda item: item[1][0])))
+    if problems:
+        raise ValueError(f"{name}: the ranks hold different numbers of variables to sync: "
+                         + "; ".join(problems) + " (every rank must build the same model "
+                         "and optimizer before the state syncs)")
 
 
 def _model_built(model) -> bool:
@@ -103,9 +145,14 @@ class TensorFlowKerasState(_TensorSnapshots):
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
     def sync(self):
+        start_every_group_again()  # (backward_passes_per_step: see aggregation.py)
+        _build_optimizer(self.optimizer, self.model.trainable_variables)
+        optimizer_vars = _optimizer_variables(self.optimizer)
+        if _core.size() > 1:
+            _agree_on_counts({"model": len(self.model.variables),
+                              "optimizer": len(optimizer_vars)}, "horolite.elastic.sync")
         broadcast_variables(self.model.variables, root_rank=0,
                             name="horolite.elastic.sync.model")
-        optimizer_vars = _optimizer_variables(self.optimizer)
         if optimizer_vars:
             broadcast_variables(optimizer_vars, root_rank=0,
                                 name="horolite.elastic.sync.optimizer")
@@ -129,10 +176,8 @@ class TensorFlowKerasState(_TensorSnapshots):
 
     def _load_durable(self, obj):
         saved_optimizer = obj["optimizer"]
-        if saved_optimizer and not _optimizer_variables(self.optimizer) and \
-                hasattr(self.optimizer, "build"):
-            # Keras 3 makes an optimizer's variables at its first step: a new process has none.
-            self.optimizer.build(self.model.trainable_variables)
+        if saved_optimizer:  # (a new process's optimizer has no variables yet)
+            _build_optimizer(self.optimizer, self.model.trainable_variables)
         self._saved_model_state = [tf.convert_to_tensor(a) for a in obj["model"]]
         self._saved_optimizer_state = [tf.convert_to_tensor(a) for a in saved_optimizer]
         self._load_model()
@@ -156,6 +201,10 @@ class TensorFlowState(_TensorSnapshots):
         super().__init__(bcast_object=broadcast_object, get_rank=rank, **kwargs)
 
     def sync(self):
+        start_every_group_again()
+        if _core.size() > 1:
+            _agree_on_counts({"TensorFlowState": len(self.variables)},
+                             "horolite.elastic.sync")
         if self.variables:
             broadcast_variables(self.variables, root_rank=0, name="horolite.elastic.sync.vars")
         self._save_model()

@@ -25,7 +25,7 @@ from .bridge import (_enqueue, across_traces, graph_unique_name, grouped_allredu
                      run_alone, wait)
 from .adasum import check_adasum
 from .bucket_order import BucketOrder
-from . import update_barrier
+from . import update_barrier, world_values
 from .update_barrier import after_all
 from .bucket_slots import naming_members, placeholder, slot_nbytes, sparse_marker
 from .mpi_ops import _check_op
@@ -109,15 +109,20 @@ class GradientReducer:
         return [variable_ref(variables[i]) in self.local_refs for i in range(n)]
 
     def _scale_local(self, grads, local) -> None:
-        n = set_size(self.process_set)
-        if not self.scale_local_gradients or n == 1:
+        if not self.scale_local_gradients or not any(local):
             return
+        # The set's size when the step runs (an elastic world changes it under a traced
+        # step); eagerly a constant, and nothing to divide by at one rank.
+        if tf.executing_eagerly() and set_size(self.process_set) == 1:
+            return
+        n = world_values.set_size(self.process_set)
         for i, g in enumerate(grads):
             if local[i] and g is not None:
                 if isinstance(g, tf.IndexedSlices):
-                    grads[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+                    grads[i] = tf.IndexedSlices(g.values / tf.cast(n, g.values.dtype), g.indices,
+                                                g.dense_shape)
                 else:
-                    grads[i] = g / n
+                    grads[i] = g / tf.cast(n, g.dtype)
 
     # -- planning --
     def _group_indices(self, dense: List[int], variables, grads, graph: bool) -> List[List[int]]:
@@ -283,9 +288,10 @@ class GradientReducer:
                 def finish(_):
                     values = wait(hv, [g.values.dtype], [tf.TensorShape([None]).concatenate(g.values.shape[1:])])[0]
                     indices = wait(hi, [g.indices.dtype], [[None]])[0]
-                    scale = pre * post / (set_size(ps) if op == ReduceOp.AVERAGE else 1)
-                    if scale != 1.0:
-                        values = values * tf.cast(scale, values.dtype)
+                    if pre * post != 1.0:
+                        values = values * tf.cast(pre * post, values.dtype)
+                    if op == ReduceOp.AVERAGE:  # (the set's size when the step runs)
+                        values = values / tf.cast(world_values.set_size(ps), values.dtype)
                     out[i] = tf.IndexedSlices(values, indices, dense_shape=g.dense_shape)
                 return [hv, hi], finish
             jobs.append((i, job, [grads[i].values, grads[i].indices], bucket_of.get(i), None))

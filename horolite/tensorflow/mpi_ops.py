@@ -14,9 +14,10 @@ import horolite as _core
 from horolite.errors import HorovodInternalError
 from horolite.core.ops import Average, ReduceOp
 
+from . import world_values
 from .adasum import check_adasum
 from .horovod_basics import HorovodBasics
-from .process_sets import check_process_set, global_process_set, set_rank, set_size
+from .process_sets import check_process_set, global_process_set, set_size
 from .bridge import (_enqueue, _guarded, _resolve_name, _run, enqueue_grouped_allreduce,
                      to_tf_error, wait)
 from .eager import recording
@@ -157,7 +158,7 @@ def _allgather_grad(x: tf.Tensor, dy, rows: tf.Tensor, name: Optional[str],
     dy = tf.convert_to_tensor(dy)
     reduced = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodAllgatherGrad", dy),
                              op, 1.0, 1.0, process_set)
-    start = tf.reduce_sum(rows[:set_rank(process_set)])
+    start = tf.reduce_sum(rows[:world_values.set_rank(process_set)])  # (rank when it runs)
     return tf.slice(reduced, tf.concat([[start], tf.zeros([tf.rank(dy) - 1], tf.int64)], 0),
                     tf.shape(x, out_type=tf.int64))
 
@@ -222,11 +223,20 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None, ignore_name_sc
             dy = tf.convert_to_tensor(dy)
             averaged = _allreduce_raw(dy, _resolve_name(_grad_name(name), "HorovodBroadcastGrad", dy),
                                       ReduceOp.AVERAGE, 1.0, 1.0, process_set)
-            if _core.rank() == root_rank:
-                return averaged
-            # Keep the allreduce in the graph on every rank: the root waits for it.
-            with tf.control_dependencies([averaged]):
-                return tf.zeros_like(dy)
+            if not world_values.read_when_run():
+                if _core.rank() == root_rank:
+                    return averaged
+                # Keep the allreduce in the graph on every rank: the root waits for it.
+                with tf.control_dependencies([averaged]):
+                    return tf.zeros_like(dy)
+
+            def elsewhere():
+                with tf.control_dependencies([averaged]):
+                    return tf.zeros_like(averaged)
+            # In a tf.function, which rank is the root is read when the step runs (an
+            # elastic world renumbers its ranks under a traced step).
+            return tf.cond(tf.equal(world_values.rank(), root_rank), lambda: averaged,
+                           elsewhere)
         return y, grad
     return fn(tensor)
 
@@ -234,16 +244,20 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None, ignore_name_sc
 def _alltoall_raw(x: tf.Tensor, splits: Optional[tf.Tensor], name, process_set=global_process_set):
     """Always returns (rows received, splits received): the gradient needs the latter."""
     out_shape = tf.TensorShape([None]).concatenate(x.shape[1:])
-    n = set_size(process_set)
+    # The set's size when the collective runs (a traced step outlives an elastic world's
+    # re-formation): equal parts are cut in submit, and the received splits' length is
+    # known statically only eagerly.
+    n_now = set_size(process_set) if tf.executing_eagerly() else None
 
     def submit(a, *s):
         if s:
             return _core.alltoall_async(a, s[0], name, process_set)
+        n = set_size(process_set)
         if a.ndim and a.shape[0] % n == 0:  # equal parts, but ask for the received splits too
             return _core.alltoall_async(a, np.full(n, a.shape[0] // n, np.int64), name, process_set)
         return _core.alltoall_async(a, None, name, process_set)  # the runtime reports the error
     inputs = [x] if splits is None else [x, splits]
-    out, received = _run(submit, inputs, [x.dtype, tf.int64], [out_shape, [n]])
+    out, received = _run(submit, inputs, [x.dtype, tf.int64], [out_shape, [n_now]])
     return out, received
 
 
@@ -329,7 +343,7 @@ def _reducescatter_grad(dy, op: ReduceOp, name: Optional[str],
     the product of the scale factors."""
     dy = tf.convert_to_tensor(dy)
     if op == ReduceOp.SUM:
-        dy = dy * tf.cast(set_size(process_set), dy.dtype)
+        dy = dy * tf.cast(world_values.set_size(process_set), dy.dtype)
     for factor in factors:
         dy = scale(dy, factor)
     return _allgather_raw(dy, _resolve_name(_grad_name(name), "HorovodReducescatterGrad", dy),
@@ -382,22 +396,28 @@ def _set_ranks(process_set_id: int) -> list:
 
 
 def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
-    """The number of ranks (of the process set), as an int32 tensor."""
-    return tf.constant(len(_set_ranks(process_set_id)), tf.int32, name=name)
+    """The number of ranks (of the process set), as an int32 tensor read when it runs
+    (in a tf.function too: an elastic world that changed size gives the new size)."""
+    _set_ranks(process_set_id)
+    return world_values.set_size(int(process_set_id), name)
 
 
 def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
-    """1 (int32) when this rank belongs to the process set, else 0."""
-    return tf.constant(int(_core.rank() in _set_ranks(process_set_id)), tf.int32, name=name)
+    """1 (int32) when this rank belongs to the process set, else 0 (read when it runs)."""
+    _set_ranks(process_set_id)
+    return world_values.set_included(process_set_id, name)
 
 
 def rank_op(name: Optional[str] = None) -> tf.Tensor:
-    return tf.constant(_core.rank(), tf.int32, name=name)
+    """This process's rank, as an int32 tensor read when it runs."""
+    return world_values.rank(name)
 
 
 def local_size_op(name: Optional[str] = None) -> tf.Tensor:
-    return tf.constant(_core.local_size(), tf.int32, name=name)
+    """The number of ranks on this host, as an int32 tensor read when it runs."""
+    return world_values.local_size(name)
 
 
 def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
-    return tf.constant(_core.local_rank(), tf.int32, name=name)
+    """This process's rank on its host, as an int32 tensor read when it runs."""
+    return world_values.local_rank(name)

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 import horolite as _core
+from horolite.elastic import in_process
 
 from horolite.core.ops import ReduceOp
 
@@ -46,7 +47,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         self.supports_jit = False
 
     def _moments(self, inputs, mask):
-        if _core.size() == 1:
+        if _core.size() == 1 and not in_process.enabled():
+            # (an elastic job without MPI keeps its traced steps while ranks join: there
+            # a step traced at one rank must still gather, for when it is not alone)
             return super()._moments(inputs, mask)
         axes = list(self._reduction_axes)
         # Each rank's count, mean and sum of squared deviations, gathered and combined

@@ -1,13 +1,19 @@
 """Elastic TensorFlow training without MPI whose survivors go on in-process, with a known
 result (the least squares of elastic_train.py) and a count of traces.
 
---mode tape: a tf.function step with hvd.DistributedGradientTape and TensorFlowState;
---mode fit:  Keras 3 model.fit with a DistributedOptimizer(SGD), KerasState and the three
-             elastic callbacks (commits at epoch ends).
-Per worker into OUTDIR: pid.<w>, steps.<w> (``<generation> <rank> <size> <step> <time>``),
+--mode tape: a tf.function step with hvd.DistributedGradientTape and TensorFlowState; it
+             also trains an embedding through tf.gather (IndexedSlices gradients, averaged):
+             rank r looks row 0 up r + 1 times (r read in the step by hvd.rank_op()), so
+             at n ranks row 0 falls by (n + 1) / 2 a step; the step returns hvd.rank_op()
+             and hvd.size_op() as it read them.
+--mode fit:  Keras 3 model.fit with a DistributedOptimizer(Adam) (the docs' example: its
+             slots exist only once built, and a newcomer's are not), KerasState and the
+             three elastic callbacks (commits at epoch ends).
+Per worker into OUTDIR: pid.<w>, steps.<w> (``<generation> <rank> <size> <step> <time>``,
+and in tape mode the rank and size the traced step read),
 resets.<w> (``<generation> <size> <pid>``), traces.<w> (one line per trace of the step),
-final.<w>.npy, and final_step.<w> (tape: the steps trained) or epochs.<w> (fit: the
-epochs it trained).
+final.<w>.npy, and final_step.<w> and embedding.<w>.npy (tape: the steps trained, the
+embedding) or epochs.<w> (fit: the epochs it trained).
 """
 import argparse
 import os
@@ -64,32 +70,38 @@ def main():
         seen = np.array([float(bool(args.until_file) and os.path.exists(args.until_file))])
         return core.allreduce(seen, op=core.Max, name="until")[0]
 
-    def logged(step):
+    def logged(step, *traced):
         traces.write(f"step {in_process.generation()}\n")
         log.write(f"{in_process.generation()} {hvd.rank()} {hvd.size()} {step} "
-                  f"{time.time():.6f}\n")
+                  f"{time.time():.6f}{''.join(f' {int(t)}' for t in traced)}\n")
         log.flush()
 
     if args.mode == "tape":
         w = tf.Variable(np.zeros(DIM), dtype=tf.float64)
-        state = htf.elastic.TensorFlowState([w], step=0)
+        emb = tf.Variable(np.zeros((3, 2)), dtype=tf.float64)
+        state = htf.elastic.TensorFlowState([w, emb], step=0)
 
         @tf.function(input_signature=[tf.TensorSpec([None, DIM], tf.float64),
                                       tf.TensorSpec([None], tf.float64)])
         def step(x, y):
             traces.write("trace\n")
             traces.flush()
+            rows = tf.zeros([htf.rank_op() + 1], tf.int32)
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean((tf.linalg.matvec(x, w) - y) ** 2)
+                loss += tf.reduce_sum(tf.gather(emb, rows))
             tape = htf.DistributedGradientTape(tape)
-            w.assign_sub(LR * tape.gradient(loss, w))
+            grad_w, grad_emb = tape.gradient(loss, [w, emb])
+            w.assign_sub(LR * grad_w)
+            emb.scatter_sub(grad_emb)  # (an IndexedSlices: rows repeat, and add up)
+            return htf.rank_op(), htf.size_op()
 
         @htf.elastic.run
         def train(state):
             while state.step < args.steps:
-                step(*shard(state.step))
+                traced = step(*shard(state.step))
                 state.step += 1
-                logged(state.step)
+                logged(state.step, *traced)
                 time.sleep(args.sleep)
                 if state.step % args.commit_every == 0:
                     state.commit()
@@ -98,6 +110,7 @@ def main():
         state.register_reset_callbacks([on_reset])
         train(state)
         final = w.numpy()
+        np.save(out("embedding") + ".npy", emb.numpy())
         with open(out("final_step"), "w") as f:
             f.write(str(state.step))
     else:
@@ -110,7 +123,7 @@ def main():
 
         model = keras.Sequential([keras.Input((DIM,)), Traced(), keras.layers.Dense(
             1, use_bias=False, kernel_initializer="zeros")])
-        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR)), loss="mse")
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(LR)), loss="mse")
         state = hvd.elastic.KerasState(model, batch=0, epoch=0)
         state.register_reset_callbacks([on_reset])
 

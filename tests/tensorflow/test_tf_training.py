@@ -742,3 +742,50 @@ def test_local_layers_must_be_layers():
         hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=[tf.Variable(1.0)])
     with pytest.raises(ValueError, match="register_local_var: expected a variable .* got str"):
         hvdk.DistributedOptimizer(keras.optimizers.SGD(LR)).register_local_var("bias")
+
+
+def test_an_elastic_sync_builds_an_optimizer_that_never_stepped_and_gets_rank_0s_slots():
+    # A worker that joins holds a Keras 3 optimizer without slots; rank 0's has stepped.
+    import keras
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.1))
+    if R == 0:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(X[:2]))
+        keras.optimizers.Adam.apply(opt, tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables)
+    assert opt.built == (R == 0)
+    state = hvd.elastic.TensorFlowKerasState(model, opt, epoch=R)
+    state.sync()
+    assert opt.built and len(opt.variables) == 2 + 2 * len(model.trainable_variables)
+    mine = np.concatenate([np.ravel(v.numpy()) for v in opt.variables])
+    assert COMM.allreduce(mine.size, MPI.MAX) == mine.size
+    np.testing.assert_array_equal(mine, COMM.bcast(mine, root=0))
+    assert int(opt.iterations.numpy()) == 1 and state.epoch == 0
+
+
+def test_an_elastic_sync_of_different_variable_counts_names_them_on_every_rank():
+    if N == 1:
+        pytest.skip("one rank agrees with itself")
+    state = hvd.elastic.TensorFlowState([tf.Variable(0.0) for _ in range(1 + (R == N - 1))])
+    others = "ranks 0, " + ", ".join(map(str, range(1, N - 1))) if N > 2 else "rank 0"
+    with pytest.raises(ValueError, match=rf"TensorFlowState 1 on {others.rstrip(', ')} but "
+                                         rf"2 on rank {N - 1}"):
+        state.sync()
+    hvd.elastic.TensorFlowState([tf.Variable(float(R))]).sync()  # (and the job goes on)
+
+
+def test_an_elastic_sync_starts_every_local_aggregation_group_again():
+    # backward_passes_per_step: a worker that joins begins at the group's first pass, so
+    # the others drop the passes of the group they were in (every rank alike).
+    v = tf.Variable(np.zeros(2, np.float32))
+
+    def one_pass(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * x)
+        return hvd.DistributedGradientTape(tape, backward_passes_per_step=2).gradient(loss, [v])[0]
+    one_pass(np.float32(100 + R))  # half a group: dropped at the sync
+    hvd.elastic.TensorFlowState([v]).sync()
+    assert not one_pass(np.float32(1)).numpy().any()  # the first pass of a new group
+    # the group: the sum of its two passes (1 and R), averaged over the ranks
+    np.testing.assert_allclose(one_pass(np.float32(R)).numpy(), [1 + (N - 1) / 2] * 2)
