@@ -16,6 +16,7 @@ import secrets
 from typing import Any, Callable, Dict, List, Optional
 
 import ray
+import ray.util.client
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -260,6 +261,13 @@ class ElasticDriver:
     def run(self, fn: Callable[[Any], Any], callbacks=None) -> List[Any]:
         if not self.started:
             raise RuntimeError("call start() before run()")
+        if ray.util.client.ray.is_connected():
+            # (the ranks could not reach a rendezvous served from outside the cluster)
+            raise RuntimeError(
+                "an elastic RayExecutor serves its rendezvous from the driver, so the driver "
+                "must run inside the cluster's network (on a node, or `ray job submit`), "
+                "not through Ray Client (ray://); a fixed RayExecutor and Ray Train serve "
+                "theirs from an actor")
         listener = Listener(callbacks)
         job = _RayJob(self.executor, fn, self.ecfg, listener)
         try:

@@ -47,7 +47,8 @@ class Counter:
         return self.value
 
 
-@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+# (np 3 runs in the failure and callback tests below: odd sizes are reached there)
+@pytest.mark.parametrize("np_", [1, 2, 4])
 def test_executor_collectives_against_numpy(ray_cluster, np_):
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=np_)
     executor.start(executable_cls=Counter, executable_args=[10])
@@ -131,7 +132,8 @@ def train_until_killed(steps):
     return "finished"
 
 
-@pytest.mark.parametrize("np_", [2, 3])
+# (np 2's survivor path is the same; the lost node test below runs at 2)
+@pytest.mark.parametrize("np_", [3])
 def test_a_killed_actor_is_named_in_the_driver_and_the_survivors_live_on(ray_cluster, np_):
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=np_)
     executor.start()
@@ -169,7 +171,8 @@ def logging_steps(steps):
     return hvd.rank()
 
 
-@pytest.mark.parametrize("np_", [1, 3])
+# (np 1's rank 0 logs as np 3's does; the elastic test's callbacks run at 2 and 3)
+@pytest.mark.parametrize("np_", [3])
 def test_callbacks_get_what_rank_0_logs_while_the_job_runs(ray_cluster, np_):
     executor = RayExecutor(RayExecutor.create_settings(), num_workers=np_)
     executor.start()

@@ -104,3 +104,12 @@ def test_a_newcomer_ray_cannot_place_is_not_the_codes_error(ray_cluster, monkeyp
     assert set(results[0][1]) == {2}, results[0][1]
     err = capfd.readouterr().err
     assert f"w2 (host {GHOST}) failed in Ray: ActorUnschedulableError" in err, err[-3000:]
+
+
+def test_an_elastic_job_through_ray_client_says_it_cannot_serve_its_rendezvous(monkeypatch):
+    import ray.util.client
+    monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
+    executor = RayExecutor(RayExecutor.create_settings(), min_workers=1)
+    executor.start()
+    with pytest.raises(RuntimeError, match=r"not through Ray Client \(ray://\)"):
+        executor.run(lambda: 1)

@@ -1,7 +1,8 @@
 """horolite.ray.HorovodConfig as a Ray Train backend (Ray Train V2, as Ray ships it): a
 tf.function tape loop and Keras fit, their weights checked against NumPy through the
 checkpoint rank 0 reports. The fit runs with ScalingConfig(use_gpu=True) on the node
-that says it has 2 GPUs, and checks that each worker sees both, in local-rank order."""
+that says it has 2 GPUs, and checks that each worker sees both, in local-rank order.
+And Ray Train's own restart of the group (FailureConfig) resuming from the checkpoint."""
 import json
 import os
 import tempfile
@@ -106,3 +107,54 @@ def test_ray_train_runs_a_horolite_loop(ray_cluster, loop, np_, gpus, tmp_path):
         w = np.load(os.path.join(d, "w.npy"))
     np.testing.assert_allclose(w, numpy_weights(np_), rtol=1e-4, atol=1e-5)
     assert not np.allclose(numpy_weights(np_), numpy_weights(1))  # the average mattered
+
+
+def restarting_loop(config):
+    """Full-batch SGD on NumPy, resuming from Ray Train's checkpoint; rank 1 kills its own
+    process once, at step 2 (a marker file says it did)."""
+    import signal
+    import time
+    import ray.train
+    import horolite as hvd
+    hvd.init()
+    w, start = np.zeros((DIM, 1)), 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            w, start = np.load(os.path.join(d, "w.npy")), int(np.load(os.path.join(d, "step.npy")))
+    x, y = (a.astype(np.float64) for a in data(hvd.rank()))
+    for step in range(start, STEPS):
+        w = w - LR * hvd.allreduce(2.0 / ROWS * x.T @ (x @ w - y), name="grad")
+        if step == 2 and hvd.rank() == 1 and not os.path.exists(config["marker"]):
+            open(config["marker"], "w").close()
+            time.sleep(2.0)  # (Ray Train's controller takes in the reports so far)
+            os.kill(os.getpid(), signal.SIGKILL)
+        metrics = {"step": step, "started_at": start}
+        if hvd.rank() != 0:
+            ray.train.report(metrics)
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            np.save(os.path.join(d, "w.npy"), w)
+            np.save(os.path.join(d, "step.npy"), np.array(step + 1))
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+
+
+def test_ray_train_restarts_the_group_from_its_checkpoint(ray_cluster, tmp_path):
+    """FailureConfig(max_failures=1): a worker killed mid-training, Ray Train restarts
+    the whole group (a new horolite world, with a new key and rendezvous), the loop
+    resumes from rank 0's last checkpoint, and the weights are NumPy's for the whole run."""
+    from ray.train import FailureConfig
+    marker = tmp_path / "killed"
+    trainer = DataParallelTrainer(
+        restarting_loop, train_loop_config={"marker": str(marker)},
+        backend_config=HorovodConfig(timeout_s=60),
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=str(tmp_path), name="restart",
+                             failure_config=FailureConfig(max_failures=1)))
+    result = trainer.fit()
+    assert result.error is None, result.error
+    assert marker.exists()  # (rank 1 was killed once)
+    assert result.metrics["started_at"] > 0, result.metrics  # resumed, not started over
+    with result.checkpoint.as_directory() as d:
+        w = np.load(os.path.join(d, "w.npy"))
+    np.testing.assert_allclose(w, numpy_weights(2), rtol=1e-10)
