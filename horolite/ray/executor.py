@@ -172,15 +172,19 @@ class RayExecutor:
         actor = ray.remote(actors.Worker)
         started = [actor.options(**self._worker_options(self._group, b)).remote()
                    for b in bundles]
-        self.workers = started  # (shutdown() ends them if what follows fails)
-        nodes, address = self._started(started)
-        self.placed = place(nodes, address, key, float(self.settings.timeout_s))
-        self.workers = [started[p.worker] for p in self.placed]
-        common = self.common_settings(extra_env_vars)
-        ray.get([w.update_env_vars.remote(dict(common, **p.env))
-                 for w, p in zip(self.workers, self.placed)])
-        ray.get([w.start_executable.remote(executable_cls, executable_args, executable_kwargs)
-                 for w in self.workers])
+        self.workers = started
+        try:
+            nodes, address = self._started(started)
+            self.placed = place(nodes, address, key, float(self.settings.timeout_s))
+            self.workers = [started[p.worker] for p in self.placed]
+            common = self.common_settings(extra_env_vars)
+            ray.get([w.update_env_vars.remote(dict(common, **p.env))
+                     for w, p in zip(self.workers, self.placed)])
+            ray.get([w.start_executable.remote(executable_cls, executable_args,
+                                               executable_kwargs) for w in self.workers])
+        except BaseException:  # (an executable_cls that raises, say: nothing stays held)
+            self.shutdown()
+            raise
         _log.info("%d workers on %d nodes: %s", len(self.workers),
                   len({p.node.node_id for p in self.placed}),
                   ", ".join(f"rank {p.rank} on {p.node.label()}" for p in self.placed))
@@ -195,7 +199,6 @@ class RayExecutor:
             came = sum(1 for r in refs[:-1] if r in ready)
             where = "the placement group" + (" this driver runs in" if not self._own_group
                                             else "") + f" ({self._group.bundle_specs})"
-            self.shutdown()
             raise TimeoutError(
                 f"{came} of {len(started)} workers ({self._unit()} each) started within "
                 f"{wait:g} s (placement_group_timeout_s) in {where}: Ray has "
@@ -334,7 +337,10 @@ class RayExecutor:
                 _log.debug("ray.kill: %r", e)
         self.workers, self._rendezvous = [], None
         if self._group is not None and self._own_group:
-            remove_placement_group(self._group)
+            try:
+                remove_placement_group(self._group)
+            except Exception as e:  # (Ray itself shut down first: nothing is held)
+                _log.debug("remove_placement_group: %r", e)
         self._group = None
 
 

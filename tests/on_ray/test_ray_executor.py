@@ -115,9 +115,12 @@ def test_driver_settings_nics_and_extra_env_vars_reach_the_workers(ray_cluster, 
         total = hvd.allreduce(np.array([1.0]), op=hvd.Sum, name="over_lo")[0]
         return (os.environ.get("MY_SETTING"), os.environ.get("HOROVOD_CYCLE_TIME"),
                 registry.current().config.fusion_threshold, os.environ["HOROLITE_TCP_IFACE"],
-                os.environ["HOROVOD_GLOO_IFACE"], float(total))
+                os.environ["HOROVOD_GLOO_IFACE"], float(total),
+                os.environ.get("HOROLITE_JOB_KEY"))  # (gone once the world formed)
     try:
-        assert executor.run(read) == [("5", "3", 131072, "=lo", "lo", 2.0)] * 2
+        assert executor.run(read) == [("5", "3", 131072, "=lo", "lo", 2.0, None)] * 2
+        assert not any("HOROLITE_JOB_KEY" in env for env in
+                       ray.get([w.env_vars.remote() for w in executor.workers]))
         assert "HOROLITE_JOB_KEY" not in repr(executor.placed) + repr(executor.settings)
     finally:
         executor.shutdown()
@@ -221,11 +224,19 @@ def test_run_raises_one_ranks_error_at_once_and_runs_again(ray_cluster):
         executor.shutdown()
 
 
+class Boom:
+    def __init__(self):
+        raise RuntimeError("the executable could not be built")
+
+
 def test_more_workers_than_the_cluster_holds_is_a_timeout_naming_them(ray_cluster):
     settings = RayExecutor.create_settings(placement_group_timeout_s=2)
     executor = RayExecutor(settings, num_workers=9)  # the cluster has 4 CPUs
     with pytest.raises(TimeoutError, match=r"Ray did not give 9 x \{'CPU': 1\} \(PACK\) within 2 s"):
         executor.start()
+    # A start() that fails later (here the executable) holds nothing either, unshut.
+    with pytest.raises(RuntimeError, match="could not be built"):
+        RayExecutor(RayExecutor.create_settings(), num_workers=2).start(executable_cls=Boom)
     deadline = time.monotonic() + 30  # the reservation is given back
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
         assert time.monotonic() < deadline, ray.available_resources()
