@@ -37,17 +37,20 @@ from typing import Dict, List, Optional, Tuple
 from . import gloo
 from . import hosts as hostlib
 from .elastic_workers import Worker, free_slot, plan_for
+from .elastic_blames import standing, to_evict
 from .host_pool import DiscoveryScript, FixedHosts, HostPool, assign
 # What the ranks read (the worker's name, joining, the wait for a world) and the rendezvous
 # scope of the plans, the blame and the newcomers: the ranks' side defines them.
 from horolite.world.generations import JOIN, SCOPE, TIMEOUT, WORKER
+from horolite.world.sockets import world_scope
 
 __all__ = ["run_elastic_gloo", "stall_shutdown_default"]
 POLL_SECONDS = 0.02
 DISCOVERY_SECONDS = 1.0  # Horovod asks its discovery script about once a second
 # A worker the survivors name as lost whose process has not ended this long after is
 # taken for hung (stopped, or on a host cut off) and ended.
-BLAME_GRACE_SECONDS = 0.25
+BLAME_GRACE_SECONDS = 1.0
+LATE_SLACK_SECONDS = 2.0  # after --gloo-timeout-seconds: the ranks' own blames come first
 # Without --reset-limit: the job fails after this many failures in a row with no commit
 # between them (a crash that comes back at the same batch whoever runs it).
 FAILURES_WITHOUT_COMMIT = 10
@@ -85,7 +88,10 @@ class _Driver:
         self.generation, self.resets = 0, 0
         self.stopping: Optional[int] = None
         self.changed = False  # members were evicted since the last plan
-        self.blamed_at: Dict[Worker, float] = {}
+        self.blamed_at: Dict[Tuple[int, Worker], float] = {}  # (generation, worker): when
+        self.plans: Dict[int, List[str]] = {}  # each generation's workers in rank order
+        self.decided: set = set()  # generations in which a blame evicted someone
+        self.arriving: Optional[Tuple[int, float]] = None  # (generation, since) while forming
         self.said: List[str] = []  # why, for the next plan's log line
         self.holders: set = set()  # workers that hold the training state (synced once)
         self.failures_in_a_row, self.last_commit = 0, b""
@@ -215,6 +221,7 @@ class _Driver:
         self.server.put(SCOPE, f"plan.{self.generation}", json.dumps(plan).encode())
         self.server.put(SCOPE, "latest", str(self.generation).encode())
         self.ranked = list(workers)  # (what a blame's rank numbers mean)
+        self.plans[self.generation] = [w.name for w in workers]
         if self.generation == 0:
             self.holders = set(workers)  # (the initial state, whatever they do first)
         for rank, w in enumerate(workers):
@@ -225,21 +232,51 @@ class _Driver:
         return {key[len(prefix) + 1:]: value.decode() for key, value in
                 self.server.items(SCOPE).items() if key.startswith(prefix + ".")}
 
-    def _blamed(self) -> Dict[Worker, str]:
-        """Members of this generation whom a survivor named as its failure's cause."""
-        found = {}
-        blames = self._said(f"blame.{self.generation}")
-        for who, ranks in blames.items():
-            for rank in ranks.split(","):
-                # A rank that blamed someone itself left the world on purpose (it said so
-                # before closing its connections): whoever saw those close is not told
-                # of a loss.
-                if rank.isdigit() and int(rank) < len(self.ranked) and \
-                        self.ranked[int(rank)].name in blames:
-                    continue
-                if rank.isdigit() and int(rank) < len(self.ranked) and \
-                        self.ranked[int(rank)] in self.members:
-                    found[self.ranked[int(rank)]] = f"was named by {who} as a rank it lost"
+    def _entered(self) -> Dict[str, int]:
+        return {k: int(v) for k, v in self._said("entered").items() if v.lstrip("-").isdigit()}
+
+    def _blamed(self) -> Dict[Worker, Tuple[int, str]]:
+        """Members the others named as lost, or waited for in vain (elastic_blames.py):
+        {worker: (the generation of the blame, why)}."""
+        names = [w.name for w in self.members]
+        blames = standing(self.server.items(SCOPE), self.plans, names, self._entered())
+        by_name = {w.name: w for w in self.members}
+        return {by_name[n]: found for n, found in
+                to_evict(blames, names, self.decided).items()}
+
+    def _late(self) -> List[Tuple[Worker, str]]:
+        """Members that did not arrive in the current generation within
+        --gloo-timeout-seconds of the first rank that was already in a world (a new
+        worker waits from its start; the others come at a failure or their next commit):
+        the launcher's own view of who stops a world from forming."""
+        n, entered = self.generation, self._entered()
+        if n == 0 or all(entered.get(w.name, -1) >= n for w in self.members):
+            self.arriving = None
+            return []
+        arrived = {int(k) for k in self.server.items(world_scope(n)) if k.isdigit()}
+        if self.arriving is None or self.arriving[0] != n:
+            if not any(r in arrived and (w.name in entered or w in self.holders)
+                       for r, w in enumerate(self.ranked) if w in self.members):
+                return []
+            self.arriving = (n, time.monotonic())
+        timeout = getattr(self.config, "gloo_timeout", None) or 30.0
+        if time.monotonic() - self.arriving[1] < timeout + LATE_SLACK_SECONDS:
+            return []
+        return [(w, f"did not arrive in generation {n} within --gloo-timeout-seconds "
+                    f"{timeout:g}") for r, w in enumerate(self.ranked)
+                if w in self.members and r not in arrived]
+
+    def _hung(self, blamed, lost) -> List[Tuple[Worker, str]]:
+        """The blamed members to end now: each has a grace per generation it is blamed
+        in, to say whom it lost itself (then it left that world on purpose)."""
+        found = []
+        for worker, (generation, why) in blamed.items():
+            if any(w is worker for w, _ in lost) or worker.proc.poll() is not None:
+                continue  # (its end says more than the blame: it is seen next turn)
+            first = self.blamed_at.setdefault((generation, worker), time.monotonic())
+            if time.monotonic() - first >= BLAME_GRACE_SECONDS:
+                found.append((worker, why))
+                self.decided.add(generation)
         return found
 
     def _watch(self) -> int:
@@ -257,13 +294,10 @@ class _Driver:
                      "retried for an error of its own")
                 return 1
             lost = [(w, w.how()) for w in self.members if w.failed()]
-            for worker, why in blamed.items():
-                if any(w is worker for w, _ in lost) or worker.proc.poll() is not None:
-                    continue  # (its end says more than the blame: it is seen next turn)
-                first = self.blamed_at.setdefault(worker, time.monotonic())
-                if time.monotonic() - first >= BLAME_GRACE_SECONDS:
-                    worker.stop(signal.SIGTERM)  # (a rank that hangs: its wrapper SIGKILLs it)
-                    lost.append((worker, why))
+            for worker, why in self._hung(blamed, lost) + [
+                    (w, why) for w, why in self._late() if not any(w is v for v, _ in lost)]:
+                worker.stop(signal.SIGTERM)  # (a rank that hangs: its wrapper SIGKILLs it)
+                lost.append((worker, why))
             if lost:
                 self._evict(lost)
                 code = self._state_lost()

@@ -17,6 +17,8 @@ of an older world can never join a newer one.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from typing import List, Optional
 
@@ -54,10 +56,7 @@ def _blamed(error: Optional[BaseException]) -> List[int]:
 
 
 def _blame(c, generation: int, ranks: List[int]) -> None:
-    """Say at the rendezvous which ranks of `generation` this rank lost (none: it only
-    heard of the failure, or leaves for a newer world)."""
-    c.put(generations.SCOPE, f"blame.{generation}.{generations.worker()}",
-          ",".join(map(str, ranks)).encode())
+    generations.blame(c, generation, ranks)
 
 
 _client = None
@@ -121,7 +120,36 @@ def world_moved_on() -> bool:
         return False
 
 
-def rejoin(error: Optional[BaseException]) -> int:
+@contextlib.contextmanager
+def _blame_if_late(c, generation: int):
+    """The runtime's set-up in a new world waits on its ranks without a bound of its own:
+    if it has not ended within --gloo-timeout-seconds, name at the rendezvous the ranks
+    this rank's waits are for (one that hangs, e.g. stopped, is evicted; its connections
+    then close and this set-up fails, and the next generation forms without it)."""
+    from .. import world
+    from ..world import sockets
+
+    def late():
+        comm = sockets.COMM_WORLD
+        waits = getattr(getattr(comm, "mesh", None), "_posted", None) or ()
+        ranks = sorted({r.want for r in list(waits) if getattr(r, "want", -1) >= 0})
+        log.warning("%s: generation %d has not started within %g s: waiting for ranks %s",
+                    generations.worker(), generation, world.gloo_timeout(), ranks or "?")
+        if ranks:
+            try:
+                _blame(c, generation, ranks)
+            except Exception as e:  # (the rendezvous gone: nobody can be told)
+                log.warning("could not say so at the rendezvous: %s", e)
+    timer = threading.Timer(world.gloo_timeout(), late)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def rejoin(error: Optional[BaseException], restore=None) -> int:
     """Leave this world (after `error`, a runtime failure; or None: at a commit, for a
     newer generation) and enter the next generation that holds this worker; returns its
     number. Ends the process (code 0) when the newest plan leaves this worker out."""
@@ -133,6 +161,8 @@ def rejoin(error: Optional[BaseException]) -> int:
     try:
         if error is not None:
             _blame(c, before, _blamed(error))
+        if restore is not None:  # (after the blame: the launcher's grace is for it)
+            restore()
         basics.shutdown()
         while True:
             try:
@@ -142,7 +172,8 @@ def rejoin(error: Optional[BaseException]) -> int:
                 log.info("%s; this worker ends", e)
                 raise SystemExit(0) from None
             try:
-                basics.init()
+                with _blame_if_late(c, newest):
+                    basics.init()
             except Exception as e:  # (a rank of the new world died while it started)
                 log.warning("%s: generation %d failed as it started (%s); waiting for the "
                             "next", generations.worker(), newest, e)

@@ -163,8 +163,7 @@ def _run_in_process(func: Callable, state: State, args, kwargs):
             if not is_runtime_failure(e):
                 _name_user_error(e)
                 raise
-            state.restore()
-            in_process.rejoin(e)
+            in_process.rejoin(e, restore=state.restore)
         state.on_reset()
 
 

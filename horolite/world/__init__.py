@@ -66,7 +66,7 @@ def open_world(environ: Mapping[str, str] = os.environ):
         return mpi_library.chosen()
     from . import generations
     if generations.joining(environ):  # (horolite-run --gloo started it to join a running job)
-        wait = generations.wait_seconds(environ)
+        wait = generations.JOIN_WAIT_SECONDS
         generations.join(environ, lambda found, generation, superseded: _open_sockets(
             found, environ, generation, superseded, wait))
         return mpi_library.chosen()

@@ -16,10 +16,11 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Callable, Mapping, Optional
+import re
+from typing import Callable, List, Mapping, Optional
 
-__all__ = ["SCOPE", "WORKER", "JOIN", "TIMEOUT", "current", "worker", "joining", "LeftOut",
-           "enter_next", "join"]
+__all__ = ["SCOPE", "WORKER", "JOIN", "TIMEOUT", "JOIN_WAIT_SECONDS", "current", "worker",
+           "joining", "LeftOut", "waited_for", "blame", "enter_next", "join"]
 
 _log = logging.getLogger("horolite.world")
 
@@ -50,6 +51,11 @@ def joining(environ: Mapping[str, str] = os.environ) -> bool:
 
 def wait_seconds(environ: Mapping[str, str] = os.environ) -> float:
     return float(environ.get(TIMEOUT, "") or 600.0)
+
+
+# A new worker waits for the others to arrive at their next commit however far off it is:
+# while it stays alive the launcher keeps its place, and evicts whoever does not come.
+JOIN_WAIT_SECONDS = 1e7
 
 
 def client(found, environ: Mapping[str, str] = os.environ):
@@ -84,6 +90,20 @@ def _export(entry: dict, size: int, environ) -> None:
                         f"{prefix}CROSS_SIZE": str(entry["cross_size"])})
 
 
+def waited_for(error: BaseException, rank: int) -> List[int]:
+    """The ranks a world's formation waited for in vain, as its error names them
+    ("rank 3 (host h)": the rendezvous, the dial and the accept all say so)."""
+    found = getattr(error, "ranks", None) or \
+        [int(q) for q in re.findall(r"\brank (\d+) \(host ", str(error))]
+    return sorted({int(q) for q in found} - {rank})
+
+
+def blame(c, generation: int, ranks: List[int], environ=os.environ) -> None:
+    """Say at the rendezvous which ranks of `generation` this worker lost or waited for
+    in vain (none: it only heard of a failure, or leaves for a newer world)."""
+    c.put(SCOPE, f"blame.{generation}.{worker(environ)}", ",".join(map(str, ranks)).encode())
+
+
 def enter_next(c, base, after: int, open_world: Callable, skip_plans_without_me: bool,
                environ=os.environ) -> int:
     """Meet the ranks of the first generation after `after` that holds this worker, with
@@ -111,6 +131,8 @@ def enter_next(c, base, after: int, open_world: Callable, skip_plans_without_me:
         except (Superseded, TimeoutError, RendezvousError, OSError) as e:
             _log.warning("%s: generation %d did not form (%s); waiting for the next", me,
                          newest, e)
+            if not isinstance(e, Superseded):  # (the launcher evicts whom it waited for)
+                blame(c, newest, waited_for(e, found.rank), environ)
             after = newest
             continue
         _current = newest

@@ -166,3 +166,50 @@ def test_a_worker_keeps_its_slot_and_a_newcomer_takes_the_one_that_freed_up():
 def _plan(d, generation):
     import json
     return json.loads(d.server.items(SCOPE)[f"plan.{generation}"])
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+
+def test_a_survivor_blamed_again_in_a_later_generation_gets_a_fresh_grace(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(eg, "time", clock)
+    d = driver(hosts=(("a", 3),), min_np=2)
+    w0, w1, w2 = d.members
+    d.server.put(SCOPE, "blame.0.w0", b"1")  # w0 names w1 (falsely)
+    assert d._hung(d._blamed(), []) == []  # its grace starts
+    clock.now += 0.1
+    d.server.put(SCOPE, "blame.0.w1", b"2")  # w1 says whom it lost itself: excused
+    assert list(d._blamed()) == [w2]
+    d._evict([(w2, "was named by w1 as a rank it lost")])
+    d._next_generation([], [])
+    for w in (w0, w1):
+        d.server.put(SCOPE, f"entered.{w.name}", b"1")
+    clock.now += 60
+    d.server.put(SCOPE, "blame.1.w0", b"1")  # w1 named again, in generation 1
+    assert d._hung(d._blamed(), []) == []  # a fresh grace, not ended at once
+    clock.now += eg.BLAME_GRACE_SECONDS
+    assert [w for w, _ in d._hung(d._blamed(), [])] == [w1]
+
+
+def test_ranks_that_do_not_arrive_in_a_world_are_evicted_after_the_gloo_timeout(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(eg, "time", clock)
+    d = driver(hosts=(("a", 4),), min_np=2)
+    w0, w1, w2, w3 = d.members
+    d._evict([(w3, "was killed by signal 9 (SIGKILL)")])
+    d._next_generation([], [])
+    assert d._late() == []  # nobody arrived yet: no clock
+    d.server.put("world.1", "0", b"w0")  # w0 and w1 arrive; w2 hangs (SIGSTOP) on its way
+    d.server.put("world.1", "1", b"w1")
+    assert d._late() == []
+    clock.now += 30.0 + eg.LATE_SLACK_SECONDS
+    assert d._late() == [(w2, "did not arrive in generation 1 within --gloo-timeout-seconds 30")]
+    for w in (w0, w1, w2):
+        d.server.put(SCOPE, f"entered.{w.name}", b"1")
+    assert d._late() == []  # (formed)
