@@ -273,6 +273,19 @@ def test_a_rank_that_hangs_while_the_world_forms_again_is_evicted(start, tmp_pat
     print(f"from the SIGSTOP to a world without it: {took:.1f} s")
 
 
+def test_a_new_worker_joins_at_a_commit_further_off_than_the_elastic_timeout(start, tmp_path):
+    proc = start("--gloo", "-np", 2, "--min-np", 1, "--elastic-timeout", 3, sys.executable,
+                 IN_PROCESS, tmp_path, "--steps", 100000, "--commit-every", 250, "--sleep", 0.02,
+                 "--until-file", tmp_path / "stop", env=NO_MPI)
+    until(lambda: full_world(tmp_path, 2), proc, "generation 0")
+    os.kill(pid(tmp_path, "w1"), signal.SIGKILL)
+    until(lambda: stepping(tmp_path).get("w2", (-1,))[0] >= 2, proc, "w2's join", seconds=60)
+    err = finish(proc, tmp_path)
+    assert "generation 1: w2 (host localhost) joins; generation 2: 2 rank(s)" in err, err[-3000:]
+    assert "did not form" not in err, err[-3000:]
+    assert sorted(check_finals(tmp_path, proc, err)) == ["w0", "w2"]
+
+
 def test_an_error_of_the_training_code_ends_the_job(start, tmp_path):
     proc = start("--gloo", "-np", 3, "--min-np", 2, sys.executable, IN_PROCESS, tmp_path,
                  "--steps", 30, "--raise-at", 5, env=NO_MPI)
