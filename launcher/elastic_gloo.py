@@ -21,7 +21,9 @@ A worker that ends before it joined blacklists its host for new workers (for goo
 --blacklist-cooldown-range says); the workers already there stay. The job ends when
 every worker has
 ended: 0 when the last ones ended well; 1 when the training code raised (it is not
-retried), when fewer than --min-np workers are left, or past --reset-limit.
+retried), when fewer than --min-np workers are left, when no worker left holds the
+training state, or past --reset-limit. What counts as a failure, and whom it evicts, is
+elastic_policy.py's.
 """
 from __future__ import annotations
 
@@ -37,23 +39,15 @@ from typing import Dict, List, Optional, Tuple
 from . import gloo
 from . import hosts as hostlib
 from .elastic_workers import Worker, free_slot, plan_for
-from .elastic_blames import standing, to_evict
+from .elastic_policy import FailurePolicy, _log
 from .host_pool import DiscoveryScript, FixedHosts, HostPool, assign
 # What the ranks read (the worker's name, joining, the wait for a world) and the rendezvous
 # scope of the plans, the blame and the newcomers: the ranks' side defines them.
 from horolite.world.generations import JOIN, SCOPE, TIMEOUT, WORKER
-from horolite.world.sockets import world_scope
 
 __all__ = ["run_elastic_gloo", "stall_shutdown_default"]
 POLL_SECONDS = 0.02
 DISCOVERY_SECONDS = 1.0  # Horovod asks its discovery script about once a second
-# A worker the survivors name as lost whose process has not ended this long after is
-# taken for hung (stopped, or on a host cut off) and ended.
-BLAME_GRACE_SECONDS = 1.0
-LATE_SLACK_SECONDS = 2.0  # after --gloo-timeout-seconds: the ranks' own blames come first
-# Without --reset-limit: the job fails after this many failures in a row with no commit
-# between them (a crash that comes back at the same batch whoever runs it).
-FAILURES_WITHOUT_COMMIT = 10
 STOP_SECONDS = 5.0  # how long workers have to end at the job's end (SIGTERM, then SIGKILL)
 # A rank that hangs (stopped, a deadlock, a host cut off) is named by the others after
 # this long inside a collective, and evicted, unless the job sets its own stall shutdown.
@@ -68,11 +62,7 @@ def stall_shutdown_default(env: Dict[str, str], environ: Dict[str, str]) -> None
         env[_STALL_SHUTDOWN[0]] = f"{STALL_SHUTDOWN_SECONDS:g}"
 
 
-def _log(message: str) -> None:
-    print(f"horolite-run: elastic: {message}", file=sys.stderr, flush=True)
-
-
-class _Driver:
+class _Driver(FailurePolicy):
     def __init__(self, config, ecfg, discovery=None):
         self.config, self.ecfg = config, ecfg
         if discovery is None and ecfg.script:
@@ -133,22 +123,6 @@ class _Driver:
     def _on_marker(self, worker: Worker, kind: str, fields: dict) -> None:
         if kind == "elastic" and fields.get("event") == "user-error":
             self.user_errors.append((worker, fields.get("text", "it raised")))
-
-    def _training_code_error(self, blamed) -> Optional[str]:
-        """The first error a worker named as its training code's that is one: not from a
-        worker already evicted (stopped past the stall shutdown, cut off: whatever it
-        meets when it comes back is its world's end), nor from one the survivors blame
-        (it is evicted after its grace)."""
-        if self.user_error is not None:
-            return self.user_error
-        for worker, text in list(self.user_errors):
-            if worker.evicted is not None:
-                self.user_errors.remove((worker, text))
-                _log(f"{worker.name} (host {worker.host}) was already evicted ({worker.evicted}):"
-                     f" its error is not the training code's: {text}")
-            elif worker not in blamed:
-                return f"{worker.name} (host {worker.host}): {text}"
-        return None
 
     def _wanted(self, blacklisted_too: bool = False) -> Dict[str, int]:
         """Slots per host to fill (up to --max-np), in the pool's order."""
@@ -232,53 +206,6 @@ class _Driver:
         return {key[len(prefix) + 1:]: value.decode() for key, value in
                 self.server.items(SCOPE).items() if key.startswith(prefix + ".")}
 
-    def _entered(self) -> Dict[str, int]:
-        return {k: int(v) for k, v in self._said("entered").items() if v.lstrip("-").isdigit()}
-
-    def _blamed(self) -> Dict[Worker, Tuple[int, str]]:
-        """Members the others named as lost, or waited for in vain (elastic_blames.py):
-        {worker: (the generation of the blame, why)}."""
-        names = [w.name for w in self.members]
-        blames = standing(self.server.items(SCOPE), self.plans, names, self._entered())
-        by_name = {w.name: w for w in self.members}
-        return {by_name[n]: found for n, found in
-                to_evict(blames, names, self.decided).items()}
-
-    def _late(self) -> List[Tuple[Worker, str]]:
-        """Members that did not arrive in the current generation within
-        --gloo-timeout-seconds of the first rank that was already in a world (a new
-        worker waits from its start; the others come at a failure or their next commit):
-        the launcher's own view of who stops a world from forming."""
-        n, entered = self.generation, self._entered()
-        if n == 0 or all(entered.get(w.name, -1) >= n for w in self.members):
-            self.arriving = None
-            return []
-        arrived = {int(k) for k in self.server.items(world_scope(n)) if k.isdigit()}
-        if self.arriving is None or self.arriving[0] != n:
-            if not any(r in arrived and (w.name in entered or w in self.holders)
-                       for r, w in enumerate(self.ranked) if w in self.members):
-                return []
-            self.arriving = (n, time.monotonic())
-        timeout = getattr(self.config, "gloo_timeout", None) or 30.0
-        if time.monotonic() - self.arriving[1] < timeout + LATE_SLACK_SECONDS:
-            return []
-        return [(w, f"did not arrive in generation {n} within --gloo-timeout-seconds "
-                    f"{timeout:g}") for r, w in enumerate(self.ranked)
-                if w in self.members and r not in arrived]
-
-    def _hung(self, blamed, lost) -> List[Tuple[Worker, str]]:
-        """The blamed members to end now: each has a grace per generation it is blamed
-        in, to say whom it lost itself (then it left that world on purpose)."""
-        found = []
-        for worker, (generation, why) in blamed.items():
-            if any(w is worker for w, _ in lost) or worker.proc.poll() is not None:
-                continue  # (its end says more than the blame: it is seen next turn)
-            first = self.blamed_at.setdefault((generation, worker), time.monotonic())
-            if time.monotonic() - first >= BLAME_GRACE_SECONDS:
-                found.append((worker, why))
-                self.decided.add(generation)
-        return found
-
     def _watch(self) -> int:
         next_discovery = time.monotonic() + DISCOVERY_SECONDS
         short_since = None  # when fewer than --min-np survivors were left
@@ -350,32 +277,6 @@ class _Driver:
                 if w in self.members:
                     self.members.remove(w)
                 _log(f"{w.name} (host {w.host}) {w.evicted}")
-
-    def _state_lost(self) -> Optional[int]:
-        """1 when no member left holds the training state (every one that did was lost):
-        newcomers would train again from their initial values, losing every commit."""
-        synced = self._said("synced")
-        self.holders.update(w for w in self.workers if w.name in synced)
-        if any(w in self.holders for w in self.members):
-            return None
-        _log(f"generation {self.generation}: {'; '.join(self.said)}: no worker left holds the "
-             "training state (every member that held its last commit was lost); the job fails "
-             "rather than train again from the initial values")
-        return 1
-
-    def _progress(self, failed: bool) -> Optional[str]:
-        """Why the job must end for failures that repeat with no commit between them (the
-        default bound when --reset-limit is not given), or None."""
-        commit = self.server.items(SCOPE).get("commit", b"")
-        if commit != self.last_commit:
-            self.last_commit, self.failures_in_a_row = commit, 0
-        if not failed:
-            return None
-        self.failures_in_a_row += 1
-        if self.ecfg.reset_limit is None and self.failures_in_a_row > FAILURES_WITHOUT_COMMIT:
-            return (f"that is failure {self.failures_in_a_row} in a row with no commit between "
-                    f"them (more than {FAILURES_WITHOUT_COMMIT} without --reset-limit)")
-        return None
 
     def _evict(self, lost) -> None:
         for worker, why in lost:

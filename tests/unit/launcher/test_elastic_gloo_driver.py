@@ -8,6 +8,7 @@ from test_launcher_cli import _import_launcher
 
 _import_launcher()  # horolite.launcher from this checkout, installed or not
 eg = importlib.import_module("horolite.launcher.elastic_gloo")
+policy = importlib.import_module("horolite.launcher.elastic_policy")
 elastic_flags = importlib.import_module("horolite.launcher.elastic_flags")
 FixedHosts = importlib.import_module("horolite.launcher.host_pool").FixedHosts
 gloo = importlib.import_module("horolite.launcher.gloo")
@@ -121,20 +122,20 @@ def test_every_member_lost_at_once_ends_the_watch():
 
 def test_failures_that_repeat_with_no_commit_between_them_end_the_job(capsys):
     d = driver(hosts=(("a", 2),), min_np=1)
-    for k in range(eg.FAILURES_WITHOUT_COMMIT):
+    for k in range(policy.FAILURES_WITHOUT_COMMIT):
         d.server.put(SCOPE, "commit", f"w0 {k}".encode())  # a commit between failures
         d.changed = True
         assert d._next_generation([], []) is None
-    for k in range(eg.FAILURES_WITHOUT_COMMIT - 1):  # (the last commit came before failure 1)
+    for k in range(policy.FAILURES_WITHOUT_COMMIT - 1):  # (the last commit came before failure 1)
         d.changed = True
         assert d._next_generation([], []) is None, k
     d.changed = True
     assert d._next_generation([], []) == 1
-    assert f"that is failure {eg.FAILURES_WITHOUT_COMMIT + 1} in a row with no commit" in \
+    assert f"that is failure {policy.FAILURES_WITHOUT_COMMIT + 1} in a row with no commit" in \
         capsys.readouterr().err
     d = driver(hosts=(("a", 2),), min_np=1, ecfg=d.ecfg.__class__(**{
         **d.ecfg.__dict__, "reset_limit": 1000}))
-    for k in range(2 * eg.FAILURES_WITHOUT_COMMIT):  # (an explicit --reset-limit rules)
+    for k in range(2 * policy.FAILURES_WITHOUT_COMMIT):  # (an explicit --reset-limit rules)
         d.changed = True
         assert d._next_generation([], []) is None
 
@@ -178,7 +179,7 @@ class Clock:
 
 def test_a_survivor_blamed_again_in_a_later_generation_gets_a_fresh_grace(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(eg, "time", clock)
+    monkeypatch.setattr(policy, "time", clock)
     d = driver(hosts=(("a", 3),), min_np=2)
     w0, w1, w2 = d.members
     d.server.put(SCOPE, "blame.0.w0", b"1")  # w0 names w1 (falsely)
@@ -193,13 +194,13 @@ def test_a_survivor_blamed_again_in_a_later_generation_gets_a_fresh_grace(monkey
     clock.now += 60
     d.server.put(SCOPE, "blame.1.w0", b"1")  # w1 named again, in generation 1
     assert d._hung(d._blamed(), []) == []  # a fresh grace, not ended at once
-    clock.now += eg.BLAME_GRACE_SECONDS
+    clock.now += policy.BLAME_GRACE_SECONDS
     assert [w for w, _ in d._hung(d._blamed(), [])] == [w1]
 
 
 def test_ranks_that_do_not_arrive_in_a_world_are_evicted_after_the_gloo_timeout(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(eg, "time", clock)
+    monkeypatch.setattr(policy, "time", clock)
     d = driver(hosts=(("a", 4),), min_np=2)
     w0, w1, w2, w3 = d.members
     d._evict([(w3, "was killed by signal 9 (SIGKILL)")])
@@ -208,7 +209,7 @@ def test_ranks_that_do_not_arrive_in_a_world_are_evicted_after_the_gloo_timeout(
     d.server.put("world.1", "0", b"w0")  # w0 and w1 arrive; w2 hangs (SIGSTOP) on its way
     d.server.put("world.1", "1", b"w1")
     assert d._late() == []
-    clock.now += 30.0 + eg.LATE_SLACK_SECONDS
+    clock.now += 30.0 + policy.LATE_SLACK_SECONDS
     assert d._late() == [(w2, "did not arrive in generation 1 within --gloo-timeout-seconds 30")]
     for w in (w0, w1, w2):
         d.server.put(SCOPE, f"entered.{w.name}", b"1")
