@@ -165,8 +165,9 @@ class _RayJob(_Driver):
             else:
                 own = actor.get_gpu_ids.remote()
                 order = [w.gpus for w in self.members if w.host == host] + [own]
-            actor.share_gpus.remote(own, order, slot.local_rank if not joining else
-                                    len(order) - 1, not user_picks_device())
+            # (-1: its device is always named; its local rank changes with the generations,
+            # and newcomers that join together each counted only the members before them)
+            actor.share_gpus.remote(own, order, -1, not user_picks_device())
         if self.listener.queue is not None:
             actor.set_queue.remote(self.listener.queue)
         actor.start_executable.remote(*ex.executable)

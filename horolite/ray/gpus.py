@@ -25,7 +25,8 @@ def shared_gpus(own: Sequence[str], order: List[Sequence[str]], local_rank: int,
                 pick: bool = True) -> Dict[str, str]:
     """The variables of a worker holding GPUs `own`, whose machine's workers hold
     `order` (each one's GPU ids, in local-rank order; `own` among them). `pick`: set
-    HOROLITE_GPU_DEVICE where entry `local_rank` is not the worker's first GPU."""
+    HOROLITE_GPU_DEVICE where entry `local_rank` is not the worker's first GPU (always
+    for `local_rank` -1: an elastic worker, whose local rank changes)."""
     if not own:
         return {}
     visible = list(dict.fromkeys(str(g) for ids in order for g in ids))

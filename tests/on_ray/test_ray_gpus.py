@@ -46,6 +46,8 @@ def test_a_worker_sees_its_machines_gpus_in_local_rank_order():
         "HOROVOD_GPU_DEVICE": "2"}
     assert "HOROLITE_GPU_DEVICE" not in shared_gpus(["2", "3"], [["0", "1"], ["2", "3"]], 1,
                                                     pick=False)
+    # an elastic worker (-1): always named, whatever its local rank becomes
+    assert shared_gpus(["1"], [["0"], ["1"]], -1)["HOROLITE_GPU_DEVICE"] == "1"
     # place(): machines apart, each in its local-rank order (Ray's ids in any order)
     nodes = [NodeInfo(f"{m}{i:040x}", "198.18.0.1", m, 10 + i, ids)
              for i, (m, ids) in enumerate([("a", ("1",)), ("b", ("0",)), ("a", ("0",))])]
