@@ -64,7 +64,8 @@ def split_by_host(comm: MPI.Comm) -> MPI.Comm:
     """A communicator of the ranks of `comm` on this rank's host, ordered as in `comm`.
 
     Collective over `comm`; the caller frees it."""
-    key = _elastic_slot(comm.Get_rank())
+    slot = kept_slot()
+    key = comm.Get_rank() if slot is None else slot
     if pretend_layout() is None:
         return comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     # The real host and the pretend one: ranks share a host only if both agree.
@@ -73,14 +74,15 @@ def split_by_host(comm: MPI.Comm) -> MPI.Comm:
     return comm.Split(color=color, key=key)
 
 
-def _elastic_slot(rank: int) -> int:
-    """The order of this rank among its host's: its rank, or, for a worker of an elastic
-    job without MPI (horolite-run --gloo --min-np), the slot it keeps for its life (its
-    local rank in the launcher's plan): a new worker in a freed slot then gets that local
-    rank, and a survivor keeps its own, with the GPU it pinned by it."""
+def kept_slot() -> Optional[int]:
+    """For a worker of an elastic job without MPI (horolite-run --gloo --min-np): the
+    slot on its host it keeps for its life (its local rank in the launcher's plan), else
+    None. Its host's ranks are ordered by it, so a new worker in a freed slot gets that
+    local rank; and it is this worker's local rank even while a lower slot is empty, so
+    the GPU it pinned by it stays its own."""
     if os.environ.get("HOROLITE_ELASTIC_WORKER"):
         try:
             return int(os.environ["HOROLITE_LOCAL_RANK"])
         except (KeyError, ValueError):
             pass
-    return rank
+    return None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..core.mpi_library import MPI
 
-from ..core.hosts import host_name, split_by_host
+from ..core.hosts import host_name, kept_slot, split_by_host
 
 __all__ = ["Topology"]
 
@@ -18,6 +18,9 @@ class Topology:
         self.local_rank = local.Get_rank()
         self.local_size = local.Get_size()
         cross = comm.Split(color=self.local_rank, key=self.rank)
+        slot = kept_slot()
+        if slot is not None:  # (an elastic worker's slot for life: a host's empty slot
+            self.local_rank = slot  # leaves the others' local ranks as they were)
         self.cross_rank = cross.Get_rank()
         self.cross_size = cross.Get_size()
         local_sizes = comm.allgather(self.local_size)

@@ -226,6 +226,10 @@ def test_a_paused_worker_evicted_then_resumed_ends_quietly_and_the_job_goes_on(s
     assert re.search(r"w0 is not in generation \d+ of the job; this worker ends", err), err[-3000:]
     assert "the training code raised" not in err, err[-3000:]
     assert sorted(check_finals(tmp_path, proc, err)) == ["w1", "w2", "w3"]
+    # Each keeps its slot on the host (the GPU it pinned by hvd.local_rank() stays its
+    # own); w3 takes w0's, not a survivor's.
+    assert {w: {r[0] for r in lines(tmp_path, "local", w)} for w in ("w1", "w2", "w3")} == \
+        {"w1": {"1"}, "w2": {"2"}, "w3": {"0"}}
 
 
 def test_a_failure_while_the_world_forms_again_ten_times_in_a_row(start, tmp_path):

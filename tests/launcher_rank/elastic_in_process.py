@@ -4,8 +4,9 @@ The same least-squares training as elastic_train.py (its result does not depend 
 many ranks run it), started once by ``horolite-run --gloo --min-np``. Per worker
 (HOROLITE_ELASTIC_WORKER, the same name across generations) it writes into OUTDIR:
 ``pid.<worker>`` (to kill), ``steps.<worker>`` (``<generation> <rank> <size> <step>
-<time>`` per step), ``resets.<worker>`` (``<generation> <size> <pid>`` per reset) and at
-the end ``final.<worker>.npy`` and ``final_step.<worker>``.
+<time>`` per step), ``resets.<worker>`` (``<generation> <size> <pid>`` per reset),
+``local.<worker>`` (its ``hvd.local_rank()`` each time training starts or resumes) and
+at the end ``final.<worker>.npy`` and ``final_step.<worker>``.
 """
 import argparse
 import os
@@ -61,6 +62,8 @@ def main():
     @run_fn
     def train(state):
         log = open(out("steps"), "a")
+        with open(out("local"), "a") as f:
+            f.write(f"{hvd.local_rank()}\n")
         while state.step < args.steps:
             size, rank = hvd.size(), hvd.rank()
             x, y = batch(state.step)
