@@ -240,9 +240,11 @@ class Mesh:
                 close_socket(sock)
                 continue
             try:
-                sock.settimeout(FENCE_SECONDS)  # (a partitioned peer's full buffer)
+                # A limit on this send alone (a partitioned peer's full buffer); not
+                # settimeout(), which the reader's recv on the same socket would obey.
+                _send_limit(sock, FENCE_SECONDS)
                 sock.sendall(HEADER.pack(FENCE, 0, 0))
-                sock.settimeout(None)
+                _send_limit(sock, 0)
             except OSError:
                 close_socket(sock)
                 continue
@@ -259,6 +261,13 @@ class Mesh:
         self._closing = True
         for sock in self._socks.values():
             close_socket(sock)
+
+
+def _send_limit(sock: socket.socket, seconds: float) -> None:
+    """SO_SNDTIMEO: a blocked send gives up after `seconds` (0: never)."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
 def close_socket(sock: socket.socket) -> None:

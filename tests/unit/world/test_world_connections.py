@@ -190,3 +190,25 @@ def test_a_hello_trickled_a_byte_at_a_time_is_cut_off_at_the_whole_hellos_deadli
         t.join()
         stranger.close()
         acceptor.close()
+
+
+def test_leaving_a_world_gives_up_a_fence_the_peer_cannot_take():
+    # The peer reads nothing (a partitioned host): the connection's buffers are full, so
+    # the FENCE cannot go. Leaving gives that connection up after FENCE_SECONDS.
+    a, b = socket.socketpair()
+    mesh = Mesh(0, 2, {1: a}, lambda q: f"rank {q}")
+    a.setblocking(False)
+    try:
+        while True:
+            a.send(b"\0" * 65536)
+    except BlockingIOError:
+        pass
+    a.setblocking(True)
+    begun = time.monotonic()
+    try:
+        assert mesh.park() == {}
+        assert time.monotonic() - begun < sockets_mesh.FENCE_SECONDS + 1.0
+        assert a.fileno() == -1  # (closed, not kept)
+    finally:
+        mesh.close()
+        b.close()
