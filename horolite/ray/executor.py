@@ -295,8 +295,14 @@ class RayExecutor:
             if (died or raised) and deadline is None:
                 deadline = time.monotonic() + float(self.settings.timeout_s)
         if died or raised:
+            busy = sorted(pending.values())
             self._settle([r for r in range(len(refs)) if r not in died and
-                          r not in pending and all(r != q for q, _ in raised)])
+                          r not in busy and all(r != q for q, _ in raised)])
+            if busy:
+                _log.warning("ranks %s had not returned %s s after the failure: their workers "
+                             "run them still, and a next run() would wait for them; "
+                             "shutdown() and start() again to go on", busy,
+                             self.settings.timeout_s)
         raised.sort(key=lambda item: _told_by_a_peer(item[1]))  # (the cause's rank first)
         if died:
             rank, cause = min(died.items())
