@@ -43,7 +43,7 @@ from .elastic_policy import FailurePolicy, _log
 from .host_pool import DiscoveryScript, FixedHosts, HostPool, assign
 # What the ranks read (the worker's name, joining, the wait for a world) and the rendezvous
 # scope of the plans, the blame and the newcomers: the ranks' side defines them.
-from horolite.world.generations import JOIN, SCOPE, TIMEOUT, WORKER
+from horolite.world.generations import JOIN, SCOPE, SLOT, TIMEOUT, WORKER
 
 __all__ = ["run_elastic_gloo", "stall_shutdown_default"]
 POLL_SECONDS = 0.02
@@ -102,6 +102,8 @@ class _Driver(FailurePolicy):
                                self.server.port, self.key, self.environ, self.cwd)["ranks"]
         spec = spec[index] if len(spec) > 1 else spec[0]
         spec["env"].update({WORKER: name, TIMEOUT: f"{self.ecfg.timeout:g}"})
+        if not joining:  # (a new worker learns its slot from the plan that adds it)
+            spec["env"][SLOT] = str(slots[index].local_rank)
         stall_shutdown_default(spec["env"], self.environ)
         if joining:  # (its place comes with the plan that adds it; the prefix is its number)
             for prefix in ("HOROLITE_", "HOROVOD_"):

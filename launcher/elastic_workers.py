@@ -37,10 +37,11 @@ def plan_for(generation: int, workers: List[str], hosts: Dict[str, str],
     same_local: Dict[int, List[int]] = {}
     for rank, lr in enumerate(local):
         same_local.setdefault(lr, []).append(rank)
+    kept = {"slot": True} if slots else {}  # (the ranks then take their local rank as kept)
     return {"generation": generation, "size": len(workers),
             "ranks": [dict(dataclasses.asdict(gloo.RankSlot(
                 rank, name, lr, size[name], same_local[lr].index(rank), len(same_local[lr]))),
-                worker=w) for rank, (w, name, lr) in enumerate(zip(workers, names, local))]}
+                worker=w, **kept) for rank, (w, name, lr) in enumerate(zip(workers, names, local))]}
 
 
 def free_slot(taken: List[int]) -> int:

@@ -80,9 +80,7 @@ def kept_slot() -> Optional[int]:
     None. Its host's ranks are ordered by it, so a new worker in a freed slot gets that
     local rank; and it is this worker's local rank even while a lower slot is empty, so
     the GPU it pinned by it stays its own."""
-    if os.environ.get("HOROLITE_ELASTIC_WORKER"):
-        try:
-            return int(os.environ["HOROLITE_LOCAL_RANK"])
-        except (KeyError, ValueError):
-            pass
-    return None
+    try:
+        return int(os.environ["HOROLITE_ELASTIC_SLOT"])  # (world/generations.py sets it)
+    except (KeyError, ValueError):
+        return None

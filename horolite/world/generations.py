@@ -80,8 +80,13 @@ def _place(plan: dict, me: str, base):
     return None, None
 
 
+SLOT = "HOROLITE_ELASTIC_SLOT"  # set: this worker's local rank is its slot for life
+
+
 def _export(entry: dict, size: int, environ) -> None:
     """The new world's numbers where the job's code (and Horovod's) reads them."""
+    if entry.get("slot"):  # (horolite-run's plans keep each worker's slot)
+        environ[SLOT] = str(entry["local_rank"])
     for prefix in ("HOROLITE_", "HOROVOD_"):
         environ.update({f"{prefix}RANK": str(entry["rank"]), f"{prefix}SIZE": str(size),
                         f"{prefix}LOCAL_RANK": str(entry["local_rank"]),
