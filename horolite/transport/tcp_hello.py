@@ -235,8 +235,9 @@ class Acceptor:
                 for key, _ in sel.select(0.05):
                     try:
                         sock, peer = key.fileobj.accept()
-                    except OSError:
-                        continue  # (closed by close(), or the client already gone)
+                    except OSError:  # (closed by close(), the client already gone, or no
+                        time.sleep(0.01)  # descriptor left: not a spin)
+                        continue
                     sock.setblocking(True)
                     with self._lock:
                         self._open.append(sock)

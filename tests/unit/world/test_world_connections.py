@@ -212,3 +212,32 @@ def test_leaving_a_world_gives_up_a_fence_the_peer_cannot_take():
     finally:
         mesh.close()
         b.close()
+
+
+def test_no_thread_for_a_hello_drops_that_connection_and_set_up_goes_on(monkeypatch):
+    real, failed = threading.Thread.start, []
+
+    def start(self):
+        if self.name.startswith("horolite-tcp-hello") and not failed:
+            failed.append(self.name)
+            raise RuntimeError("can't start new thread")
+        return real(self)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    acceptor = tcp_hello.Acceptor([listener], 1, {0: 1}, KEY)
+    try:
+        first = socket.create_connection(listener.getsockname())
+        deadline = time.monotonic() + 5
+        while acceptor.dropped < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert acceptor.dropped == 1 and first.recv(1) == b""
+        first.close()
+        sock = tcp_hello.connect("127.0.0.1", listener.getsockname()[1], 0, 1, 0, KEY, 5.0)
+        assert acceptor.wait(time.monotonic() + 5)
+        sock.close()
+    finally:
+        acceptor.close()
+        for s in [s for pair in acceptor.taken().values() for s in pair if s]:
+            s.close()
