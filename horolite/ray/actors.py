@@ -4,7 +4,8 @@ A worker is a plain Python object Ray runs in a process of its own; the training
 function runs in it as it would in a rank horolite-run started, once the layout's
 variables are in its environment. The rendezvous actor serves the key-value store the
 ranks meet at (horolite/world/rendezvous.py) from wherever Ray puts it, so the driver
-may be a Ray client outside the cluster.
+may be a Ray Client outside the cluster (an elastic job's driver reads and writes it
+there through put() and items()).
 """
 from __future__ import annotations
 
@@ -141,6 +142,9 @@ class Rendezvous:
 
     def put(self, scope: str, key: str, value: bytes) -> None:
         self._server.put(scope, key, value)
+
+    def items(self, scope: str) -> Dict[str, bytes]:
+        return self._server.items(scope)
 
     def close(self) -> None:
         self._server.close()

@@ -1,5 +1,6 @@
 """Elastic jobs on Ray (``RayExecutor(min_workers=..., max_workers=...)``), recovering in
-the running processes as ``horolite-run --gloo --min-np`` does.
+the running processes as ``horolite-run --gloo --min-np`` does. A driver that is a Ray
+Client keeps the job's rendezvous in an actor on the cluster; any other serves it itself.
 
 The driver is launcher/elastic_gloo.py's, with Ray in the places of processes and hosts:
 a slot is room for one worker on a live Ray node (its CPUs, or GPUs, per worker, as
@@ -214,8 +215,13 @@ class _RayJob(_Driver):
         self.pool.refresh(first=True)
         self.key = secrets.token_bytes(32)
         self.common_env = self.executor.common_env
-        self.address = ray.util.get_node_ip_address()
-        self.server = RendezvousServer(self.key, host="0.0.0.0", port=0)
+        if ray.util.client.ray.is_connected():
+            # A Ray Client driver is outside the cluster: the ranks could not reach it.
+            self.server = _ServedByAnActor(self.key)
+            self.address = self.server.address
+        else:
+            self.address = ray.util.get_node_ip_address()
+            self.server = RendezvousServer(self.key, host="0.0.0.0", port=0)
         try:
             first = self._first_hosts()
             self.server.put(*HOSTS, "\n".join(first).encode())
@@ -232,6 +238,27 @@ class _RayJob(_Driver):
                 worker.proc.poll()
                 worker.stop()
             self.server.close()
+
+
+class _ServedByAnActor:
+    """The job's rendezvous in an actor on the cluster (as Horovod runs its elastic driver
+    in one under Ray Client), with the RendezvousServer methods the driver calls."""
+
+    def __init__(self, key: bytes):
+        self.actor = ray.remote(actors.Rendezvous).options(num_cpus=0).remote(key)
+        self.address, self.port = ray.get(self.actor.address.remote())
+
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        ray.get(self.actor.put.remote(scope, key, value))
+
+    def items(self, scope: str) -> Dict[str, bytes]:
+        return ray.get(self.actor.items.remote(scope))
+
+    def close(self) -> None:
+        try:
+            ray.kill(self.actor)
+        except Exception as e:
+            _log.debug("ray.kill(the rendezvous): %r", e)
 
 
 class ElasticDriver:
@@ -262,13 +289,6 @@ class ElasticDriver:
     def run(self, fn: Callable[[Any], Any], callbacks=None) -> List[Any]:
         if not self.started:
             raise RuntimeError("call start() before run()")
-        if ray.util.client.ray.is_connected():
-            # (the ranks could not reach a rendezvous served from outside the cluster)
-            raise RuntimeError(
-                "an elastic RayExecutor serves its rendezvous from the driver, so the driver "
-                "must run inside the cluster's network (on a node, or `ray job submit`), "
-                "not through Ray Client (ray://); a fixed RayExecutor and Ray Train serve "
-                "theirs from an actor")
         listener = Listener(callbacks)
         job = _RayJob(self.executor, fn, self.ecfg, listener)
         try:
