@@ -11,7 +11,7 @@ A process an MPI launcher started is no identity source: mpirun inside an alloca
 leaves Slurm's names behind (the ``srun`` that started its daemons), and they describe
 the daemons, not the ranks. Only the launchers' explicit sets are read then.
 
-The job's secret comes from HOROLITE_JOB_KEY or a file named by HOROLITE_JOB_KEY_FILE,
+The job's secret (job_key.py) comes from HOROLITE_JOB_KEY or a file named by HOROLITE_JOB_KEY_FILE,
 never from the command line, which every user of the host can read in ``ps``.
 """
 from __future__ import annotations
@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from horolite.failure.launch_check import LAUNCHERS
 from horolite.world import rendezvous_ports
-from horolite.world.rendezvous_wire import MIN_KEY_BYTES
+from horolite.world.job_key import MIN_KEY_BYTES, job_key
 from horolite.world.slurm_lists import hosts, tasks_per_node
 
 __all__ = ["Identity", "from_environ", "under_mpi_launcher", "log_once", "job_key",
@@ -378,54 +377,3 @@ def log_once(identity: Identity, logger: logging.Logger = _log) -> None:
                 identity.rank, identity.size, identity.local_rank, identity.local_size,
                 identity.source, identity.rendezvous_addr, identity.rendezvous_port,
                 ", served by this rank" if identity.serve else "")
-
-
-# --- the job's secret -----------------------------------------------------------------------
-
-def job_key(environ: Mapping[str, str] = os.environ) -> Optional[bytes]:
-    """The job's secret from HOROLITE_JOB_KEY (hex) or the file HOROLITE_JOB_KEY_FILE
-    names (raw bytes or hex text); None when neither is set."""
-    inline, path = _given(environ, "HOROLITE_JOB_KEY"), _given(environ, "HOROLITE_JOB_KEY_FILE")
-    if inline and path:
-        raise ValueError("both HOROLITE_JOB_KEY and HOROLITE_JOB_KEY_FILE are set: set one")
-    if inline:
-        try:
-            key = bytes.fromhex(environ["HOROLITE_JOB_KEY"].strip())
-        except ValueError:
-            raise ValueError("HOROLITE_JOB_KEY is not hexadecimal (write the key as hex "
-                             "digits, or put raw bytes in HOROLITE_JOB_KEY_FILE)") from None
-        where = "HOROLITE_JOB_KEY"
-    elif path:
-        where = f"HOROLITE_JOB_KEY_FILE ({environ['HOROLITE_JOB_KEY_FILE'].strip()})"
-        try:
-            with open(environ["HOROLITE_JOB_KEY_FILE"].strip(), "rb") as f:
-                raw = f.read(1 << 20)
-                mode = os.fstat(f.fileno()).st_mode
-        except OSError as e:
-            raise ValueError(f"{where} cannot be read: {e.strerror or e}") from None
-        if mode & 0o077:
-            _warn_once(f"{where} can be read by other users (mode {mode & 0o777:04o}): "
-                       f"anyone who reads the key can join or disturb the job; `chmod 600` it "
-                       f"(a Kubernetes Secret's file is private to the pod already)")
-        key = _hex_or_raw(raw)
-    else:
-        return None
-    if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"{where} holds {len(key)} bytes; the job key needs at least "
-                         f"{MIN_KEY_BYTES}")
-    return key
-
-
-def _warn_once(text: str) -> None:
-    with _logged_lock:
-        if text in _logged:
-            return
-        _logged.add(text)
-    _log.warning(text)
-
-
-def _hex_or_raw(raw: bytes) -> bytes:
-    text = raw.strip()
-    if text and re.fullmatch(rb"[0-9a-fA-F]+", text) and len(text) % 2 == 0:
-        return bytes.fromhex(text.decode())
-    return raw
