@@ -11,8 +11,9 @@ A process an MPI launcher started is no identity source: mpirun inside an alloca
 leaves Slurm's names behind (the ``srun`` that started its daemons), and they describe
 the daemons, not the ranks. Only the launchers' explicit sets are read then.
 
-The job's secret (job_key.py) comes from HOROLITE_JOB_KEY or a file named by HOROLITE_JOB_KEY_FILE,
-never from the command line, which every user of the host can read in ``ps``.
+The job's secret (job_key.py) comes from HOROLITE_JOB_KEY or a file named by
+HOROLITE_JOB_KEY_FILE, never from the command line, which every user of the host can
+read in ``ps``.
 """
 from __future__ import annotations
 
