@@ -221,7 +221,8 @@ def _serve(identity, key: bytes):
     identity's candidate ports it can bind; an error naming them, where they came from,
     and the fix when it can bind none."""
     from .rendezvous import RendezvousServer
-    loopback = identity.rendezvous_addr == "localhost" or identity.rendezvous_addr.startswith("127.")
+    addr = identity.rendezvous_addr
+    loopback = addr == "localhost" or addr.startswith("127.")
     host = "127.0.0.1" if loopback else "0.0.0.0"  # (a one-host job exposes nothing)
     failed = []
     for port in identity.candidates():

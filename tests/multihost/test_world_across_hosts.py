@@ -41,8 +41,8 @@ def test_pytorchjob_pods_and_torchrun_processes_across_hosts(bed, tmp_path):
 
     pods = tmp_path / "pytorchjob"
     pods.mkdir()
-    procs, outs = ranks(bed, [(h, {"RANK": str(r)}) for r, h in enumerate(("hl-a", "hl-b", "hl-c"))],
-                        pods, WORLD_SIZE="3", MASTER_PORT="29500", **common)
+    placed = [(h, {"RANK": str(r)}) for r, h in enumerate(("hl-a", "hl-b", "hl-c"))]
+    procs, outs = ranks(bed, placed, pods, WORLD_SIZE="3", MASTER_PORT="29500", **common)
     assert [p.returncode for p in procs] == [0] * 3, "\n".join(outs)[-4000:]
     assert [(pods / f"rank.{r}").read_text() for r in range(3)] == [f"{r} 3 0 1 ok"
                                                                     for r in range(3)]

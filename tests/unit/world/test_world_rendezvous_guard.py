@@ -125,7 +125,8 @@ def test_a_client_moves_on_from_a_squatter_and_from_another_jobs_server():
             took = time.monotonic() - begun
             assert c.port == ours.port
             c.put("s", "k", b"v")
-        assert took < rendezvous_client._PROBE_SECONDS + 1.0, took  # (the silent squatter's probe only)
+        # (the silent squatter's probe only)
+        assert took < rendezvous_client._PROBE_SECONDS + 1.0, took
 
 
 def test_with_several_ports_and_none_ours_every_port_is_named():
