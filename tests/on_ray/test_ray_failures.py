@@ -104,39 +104,3 @@ def test_a_newcomer_ray_cannot_place_is_not_the_codes_error(ray_cluster, monkeyp
     assert set(results[0][1]) == {2}, results[0][1]
     err = capfd.readouterr().err
     assert f"w2 (host {GHOST}) failed in Ray: ActorUnschedulableError" in err, err[-3000:]
-
-
-def test_an_elastic_job_through_ray_client_serves_its_rendezvous_from_an_actor(
-        ray_cluster, monkeypatch):
-    """A Ray Client driver (`ray://`) is outside the cluster: the elastic job's rendezvous
-    runs in an actor there. Here the driver says it is a Ray Client, and the job runs with
-    its rendezvous served by the actor (none in this process)."""
-    import ray.util.client
-    from horolite.world import rendezvous
-    monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
-
-    def not_here(*args, **kwargs):
-        raise AssertionError("a rendezvous served in the driver")
-    monkeypatch.setattr(rendezvous, "RendezvousServer", not_here)
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=2,
-                           max_workers=2, elastic_timeout=60)
-    executor.start()
-    try:
-        assert executor.run(summed_elastic) == [3.0, 3.0]
-    finally:
-        executor.shutdown()
-
-
-def summed_elastic():
-    import horolite as hvd
-    from horolite.elastic import ObjectState, run_fn
-    hvd.init()
-    state = ObjectState(hvd.broadcast_object, hvd.rank, total=0.0)
-
-    @run_fn
-    def once(state):
-        state.total = float(hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum,
-                                          name="s")[0])
-        state.commit()
-    once(state)
-    return state.total

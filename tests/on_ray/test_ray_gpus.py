@@ -74,7 +74,16 @@ def elastic_sees():
     return seen
 
 
-def test_an_elastic_executors_workers_share_their_nodes_gpus(ray_cluster):
+def test_an_elastic_executors_workers_share_their_nodes_gpus(ray_cluster, monkeypatch):
+    """Also: the driver is taken for a Ray Client (outside the cluster), so the job's
+    rendezvous runs in an actor there; none is served in this process."""
+    import ray.util.client
+    from horolite.world import rendezvous
+    monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
+
+    def not_here(*args, **kwargs):
+        raise AssertionError("a rendezvous served in the driver")
+    monkeypatch.setattr(rendezvous, "RendezvousServer", not_here)
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=2,
                            max_workers=2, use_gpu=True)
     executor.start()
