@@ -4,9 +4,10 @@ An elastic job without MPI goes on in its running processes after the world chan
 (horolite/elastic/in_process.py), and its tf.functions are never traced again. Any
 size or rank written into a graph as a constant would then be the old world's (an
 average divided by 3 after the job went down to 2 ranks). So a traced function reads
-each of them from a small int32 variable on the host, which this module sets again
-each time horolite starts (init, and every re-formation of an elastic world): one
-ReadVariableOp per value, no Python when the step runs, no retrace.
+each of them from a small int32 vector variable on the host (the job's four values; three
+per process set), which this module sets again each time horolite starts (init, and
+every re-formation of an elastic world): one read of each vector per traced graph, no
+Python when the step runs, no retrace.
 
 Eagerly (and in TF1 graphs, which have no elastic states) the value is read from the
 runtime when the op is made, which is when it runs.
@@ -14,7 +15,8 @@ runtime when the op is made, which is when it runs.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, Tuple
+import weakref
+from typing import Dict, List, Tuple
 
 import tensorflow as tf
 
@@ -24,8 +26,15 @@ from horolite.runtime import registry
 __all__ = ["live", "read_when_run", "size", "rank", "local_size", "local_rank", "set_size", "set_rank",
            "set_included"]
 
-_variables: Dict[Tuple, tf.Variable] = {}
+# One int32 vector per group, so a step captures one variable per group it reads (each
+# captured variable costs the call of a tf.function a few microseconds).
+_GROUPS = {"size": ("job", 0), "rank": ("job", 1), "local_size": ("job", 2),
+           "local_rank": ("job", 3), "set_size": ("set", 0), "set_rank": ("set", 1),
+           "set_included": ("set", 2)}
+_variables: Dict[Tuple, tf.Variable] = {}  # ("job",) or ("set", id) -> its vector
 _lock = threading.Lock()
+# graph -> {group: its values as read in that graph}: one read per group and graph
+_reads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _set_ranks(process_set_id: int):
@@ -33,25 +42,13 @@ def _set_ranks(process_set_id: int):
     return get_process_set_ids_and_ranks().get(int(process_set_id))
 
 
-def _member_rank(process_set_id: int) -> int:
-    ranks = _set_ranks(process_set_id) or []
-    me = _core.rank()
-    return ranks.index(me) if me in ranks else -1
-
-
-_READERS: Dict[str, Callable[..., int]] = {
-    "size": lambda: _core.size(),
-    "rank": lambda: _core.rank(),
-    "local_size": lambda: _core.local_size(),
-    "local_rank": lambda: _core.local_rank(),
-    "set_size": lambda pid: len(_set_ranks(pid) or []),
-    "set_rank": _member_rank,
-    "set_included": lambda pid: int(_core.rank() in (_set_ranks(pid) or [])),
-}
-
-
-def _now(key: Tuple) -> int:
-    return int(_READERS[key[0]](*key[1:]))
+def _group_now(group: Tuple) -> List[int]:
+    """The group's values from the runtime: the job's [size, rank, local size, local rank],
+    a set's [size, this rank's position in it or -1, 1 if this rank is in it else 0]."""
+    if group[0] == "job":
+        return [_core.size(), _core.rank(), _core.local_size(), _core.local_rank()]
+    ranks, me = _set_ranks(group[1]) or [], _core.rank()
+    return [len(ranks), ranks.index(me) if me in ranks else -1, int(me in ranks)]
 
 
 def _traced_in_eager_program() -> bool:
@@ -66,14 +63,25 @@ def read_when_run() -> bool:
 
 
 def live(key: Tuple, name=None) -> tf.Tensor:
-    """The value `key` names (see _READERS) as an int32 scalar, read when the op runs."""
+    """The value `key` names ((what,) or (what, process set id); what: a key of _GROUPS)
+    as an int32 scalar, read when the op runs."""
+    kind, index = _GROUPS[key[0]]
+    group = (kind,) + tuple(int(k) for k in key[1:])
     if not _traced_in_eager_program():
-        return tf.constant(_now(key), tf.int32, name=name)
+        return tf.constant(_group_now(group)[index], tf.int32, name=name)
+    graph = tf.compat.v1.get_default_graph()
     with _lock:
-        var = _variables.get(key)
+        var = _variables.get(group)
         if var is None:  # (a set added after init: this trace is then made twice)
-            var = _variables[key] = _new(key)
-    value = var.read_value()
+            var = _variables[group] = _new(group)
+        reads = _reads.setdefault(graph, {})
+        values = reads.get(group)
+        if values is None:
+            # Read once per graph, outside any control dependencies of the place that
+            # first asks (a later use elsewhere in the graph must not wait for them).
+            with tf.control_dependencies(None), tf.name_scope("horolite_world"):
+                values = reads[group] = tf.unstack(var.read_value(), len(_group_now(group)))
+    value = values[index]
     return value if name is None else tf.identity(value, name=name)
 
 
@@ -113,18 +121,15 @@ def set_included(process_set_id: int, name=None) -> tf.Tensor:
     return live(("set_included", int(process_set_id)), name)
 
 
-def _new(key: Tuple) -> tf.Variable:
+def _new(group: Tuple) -> tf.Variable:
     with tf.init_scope(), tf.device("/CPU:0"):
-        return tf.Variable(_now(key), dtype=tf.int32, trainable=False,
-                           name="horolite_" + "_".join(map(str, key)))
+        return tf.Variable(_group_now(group), dtype=tf.int32, trainable=False,
+                           name="horolite_world_" + "_".join(map(str, group)))
 
 
-def _keys_now():
+def _groups_now():
     from horolite.api.process_sets import get_process_set_ids_and_ranks
-    keys = [("size",), ("rank",), ("local_size",), ("local_rank",)]
-    for pid in get_process_set_ids_and_ranks():
-        keys += [("set_size", pid), ("set_rank", pid), ("set_included", pid)]
-    return keys
+    return [("job",)] + [("set", pid) for pid in get_process_set_ids_and_ranks() if pid]
 
 
 class _Refresh:
@@ -137,11 +142,11 @@ class _Refresh:
         if not tf.compat.v1.executing_eagerly_outside_functions():
             return  # (TF1 graphs read constants: they have no elastic states)
         with _lock, tf.init_scope():
-            for key in set(_variables) | set(_keys_now()):
-                if key in _variables:
-                    _variables[key].assign(_now(key))
+            for group in set(_variables) | set(_groups_now()):
+                if group in _variables:
+                    _variables[group].assign(_group_now(group))
                 else:
-                    _variables[key] = _new(key)
+                    _variables[group] = _new(group)
 
     def detach(self, error) -> None:
         pass
