@@ -22,7 +22,9 @@ from __future__ import annotations
 import collections
 from typing import Collection, Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
-__all__ = ["Blame", "standing", "to_evict"]
+__all__ = ["Blame", "PARTITION", "standing", "to_evict"]
+
+PARTITION = "(a partition)"  # in the reason of a worker evicted as a partition's loser
 
 
 class Blame(NamedTuple):
@@ -79,7 +81,7 @@ def to_evict(blames: Sequence[Blame], members: Sequence[str],
             loser = max(count, key=lambda w: (count[w], members.index(w)))
             others = sorted({b.blamer for b in left if b.blamed == loser})
             found.setdefault(loser, (generation, f"and {', '.join(others)} named each other "
-                                                 "as lost (a partition): it is on the smaller "
+                                                 f"as lost {PARTITION}: it is on the smaller "
                                                  "side, or the newer one"))
             left = [b for b in left if loser not in (b.blamer, b.blamed)]
     return found

@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-from .elastic_blames import standing, to_evict
+from .elastic_blames import PARTITION, standing, to_evict
 from horolite.world.generations import SCOPE
 from horolite.world.sockets import world_scope
 
@@ -83,13 +83,18 @@ class FailurePolicy:
 
     def _hung(self, blamed, lost) -> List[Tuple[object, str]]:
         """The blamed members to end now: each has a grace per generation it is blamed
-        in, to say whom it lost itself (then it left that world on purpose)."""
+        in, to say whom it lost itself (then it left that world on purpose); the losers of
+        a partition go together, once the first of them is due."""
+        now, due = time.monotonic(), set()
+        for worker, (generation, why) in blamed.items():
+            if now - self.blamed_at.setdefault((generation, worker), now) >= BLAME_GRACE_SECONDS:
+                due.add((generation, worker))
+        split = {g for g, w in due if PARTITION in blamed[w][1]}
         found = []
         for worker, (generation, why) in blamed.items():
             if any(w is worker for w, _ in lost) or worker.proc.poll() is not None:
                 continue  # (its end says more than the blame: it is seen next turn)
-            first = self.blamed_at.setdefault((generation, worker), time.monotonic())
-            if time.monotonic() - first >= BLAME_GRACE_SECONDS:
+            if (generation, worker) in due or (generation in split and PARTITION in why):
                 found.append((worker, why))
                 self.decided.add(generation)
         return found

@@ -27,7 +27,7 @@ HARNESS = ("HOROLITE_UNDER_MPIRUN", "HOROLITE_PROBE_API",
            "HOROLITE_ELASTIC_JOB", "HOROLITE_ELASTIC_GENERATION", "HOROLITE_ELASTIC_NOTIFY",
            "HOROLITE_ELASTIC_SEEN", "HOROLITE_ELASTIC_COMMIT_DIR",
            # (--gloo: launcher/elastic_gloo.py, horolite/world/generations.py)
-           "HOROLITE_ELASTIC_WORKER", "HOROLITE_ELASTIC_JOIN")
+           "HOROLITE_ELASTIC_WORKER", "HOROLITE_ELASTIC_JOIN", "HOROLITE_ELASTIC_SLOT")
 HARNESS_PREFIX = "HOROLITE_TEST_"
 # Who a rank is in a job started without MPI (horolite/world/identity.py; horolite-run
 # --gloo sets them, with Horovod's Gloo names): read at init, never warned about.

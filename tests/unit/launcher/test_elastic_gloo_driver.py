@@ -214,3 +214,19 @@ def test_ranks_that_do_not_arrive_in_a_world_are_evicted_after_the_gloo_timeout(
     for w in (w0, w1, w2):
         d.server.put(SCOPE, f"entered.{w.name}", b"1")
     assert d._late() == []  # (formed)
+
+
+def test_the_losers_of_a_partition_go_together(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(policy, "time", clock)
+    d = driver(hosts=(("a", 2), ("b", 2)), min_np=2)
+    w0, w1, w2, w3 = d.members
+    d.server.put(SCOPE, "blame.0.w0", b"2,3")  # the first blames of each half
+    d.server.put(SCOPE, "blame.0.w2", b"0,1")
+    assert d._hung(d._blamed(), []) == []
+    clock.now += 0.5
+    d.server.put(SCOPE, "blame.0.w1", b"2,3")  # the others come later
+    d.server.put(SCOPE, "blame.0.w3", b"0,1")
+    assert d._hung(d._blamed(), []) == []
+    clock.now += 0.6
+    assert sorted(w.name for w, _ in d._hung(d._blamed(), [])) == ["w2", "w3"]
