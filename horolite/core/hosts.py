@@ -64,8 +64,7 @@ def split_by_host(comm: MPI.Comm) -> MPI.Comm:
     """A communicator of the ranks of `comm` on this rank's host, ordered as in `comm`.
 
     Collective over `comm`; the caller frees it."""
-    slot = kept_slot()
-    key = comm.Get_rank() if slot is None else slot
+    key = comm.Get_rank()
     if pretend_layout() is None:
         return comm.Split_type(MPI.COMM_TYPE_SHARED, key=key)
     # The real host and the pretend one: ranks share a host only if both agree.
@@ -77,9 +76,9 @@ def split_by_host(comm: MPI.Comm) -> MPI.Comm:
 def kept_slot() -> Optional[int]:
     """For a worker of an elastic job without MPI (horolite-run --gloo --min-np): the
     slot on its host it keeps for its life (its local rank in the launcher's plan), else
-    None. Its host's ranks are ordered by it, so a new worker in a freed slot gets that
-    local rank; and it is this worker's local rank even while a lower slot is empty, so
-    the GPU it pinned by it stays its own."""
+    None: runtime/topology.py makes it this worker's local rank (a new worker in a freed
+    slot gets that one, and a survivor keeps its own, with the GPU it pinned by it). The
+    host's communicator stays in rank order, as the transports between hosts expect."""
     try:
         return int(os.environ["HOROLITE_ELASTIC_SLOT"])  # (world/generations.py sets it)
     except (KeyError, ValueError):
