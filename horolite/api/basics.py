@@ -8,11 +8,11 @@ import threading
 
 from ..core import config as config_mod
 from ..core import log, settings
-from ..core.mpi_library import chosen
+from ..core.mpi_library import without_mpi
 from ..failure import launch_check, process_hooks
 from ..failure.shm_files import remove_mapped
 from ..runtime import registry
-from ..world import identity_used, open_world, sockets
+from ..world import identity_used, open_world
 from ..world.identity import log_once
 from . import process_sets as _process_sets
 
@@ -44,7 +44,7 @@ def init(comm=None, process_sets=None) -> None:
         MPI = open_world()
         from ..runtime.background import Runtime
 
-        if chosen() is not sockets:
+        if not without_mpi():
             launch_check.check(MPI.COMM_WORLD.Get_size(), os.environ, MPI.Get_library_version)
         comm = _communicator(MPI, comm)
         log.configure(cfg.log_level, comm.Get_rank(), comm.Get_size(), cfg.log_hide_time)

@@ -36,8 +36,8 @@ def load_mpi():
 
 class _ActiveNames:
     """`MPI` for the rest of horolite: mpi4py's module in an MPI-launched job, or the
-    sockets world's module of the same names (horolite.world.sockets) in a job started
-    without MPI. Looked up on every use, so the modules that import it need no MPI until
+    world of a job started without MPI (horolite.world.socket_world.SocketWorld: the same
+    names). Looked up on every use, so the modules that import it need no MPI until
     init() has chosen; before a choice it is mpi4py's."""
 
     def __getattr__(self, name):
@@ -49,16 +49,18 @@ MPI = _ActiveNames()
 
 
 def use(names) -> None:
-    """The module the job's `MPI` names come from from now on (init(), once per process)."""
+    """What the job's `MPI` names come from from now on: mpi4py's module, or the world
+    without MPI (init(); again at each new generation of an elastic job)."""
     global _chosen
     _chosen = names
 
 
 def chosen():
-    """The module in use, or None before init() chose."""
+    """The names in use (mpi4py's module or the world without MPI), or None before
+    init() chose."""
     return _chosen
 
 
 def without_mpi() -> bool:
     """Whether this job runs on horolite's own connections (init() chose no MPI)."""
-    return _chosen is not None and _chosen.__name__ == "horolite.world.sockets"
+    return getattr(_chosen, "own_connections", False) is True

@@ -127,10 +127,9 @@ def _blame_if_late(c, generation: int):
     this rank's waits are for (one that hangs, e.g. stopped, is evicted; its connections
     then close and this set-up fails, and the next generation forms without it)."""
     from .. import world
-    from ..world import sockets
 
     def late():
-        comm = sockets.COMM_WORLD
+        comm = getattr(mpi_library.chosen(), "COMM_WORLD", None)
         waits = getattr(getattr(comm, "mesh", None), "_posted", None) or ()
         ranks = sorted({r.want for r in list(waits) if getattr(r, "want", -1) >= 0})
         log.warning("%s: generation %d has not started within %g s: waiting for ranks %s",

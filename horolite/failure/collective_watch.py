@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence, Union
 
-from ..core.mpi_library import without_mpi
+from ..core.mpi_library import chosen, without_mpi
 from ..errors import StallError
 from .channel import FailureChannel, PeerFailure
 from .heartbeat import Heartbeat
@@ -58,8 +58,7 @@ class CollectiveWatch:
         if self.heartbeat is not None and self.heartbeat.links is not None:
             self.heartbeat.links.check()  # raises LinkLost before MPI progresses again
         if without_mpi():  # (a wait elsewhere, on shared memory, hears of it here)
-            from ..world import sockets
-            sockets.check_lost()
+            chosen().check_lost()  # (the world the runtime holds)
         notice = self.channel.check()
         if notice is not None:
             raise PeerFailure(notice)

@@ -8,7 +8,8 @@ windows; the list is sockets.py's __all__). Two implementations stand behind it:
 * MPI (mpi4py), whenever an MPI launcher started the job, and for a process that
   nobody started as a rank while mpi4py and an MPI library are installed (rank 0 of 1,
   as always);
-* horolite's own connections (sockets.py), when the environment says who this rank
+* horolite's own connections (socket_world.py, MPI's names from sockets.py), when the
+  environment says who this rank
   is (identity.py: horolite-run --gloo, Horovod's Gloo names, torchrun and
   PyTorchJob, Kubeflow Trainer, Slurm's srun, TF_CONFIG), or when there is no MPI.
 """
@@ -59,7 +60,8 @@ def _mpi_of_size(size: int):
 
 
 def open_world(environ: Mapping[str, str] = os.environ):
-    """The names module the job runs on (mpi4py's MPI or sockets), its world started."""
+    """What the job's MPI names come from (mpi4py's MPI, or a socket_world.SocketWorld),
+    its world started."""
     from ..core import mpi_library
     from . import identity as identity_mod
     if mpi_library.chosen() is not None:
@@ -91,11 +93,12 @@ def open_world(environ: Mapping[str, str] = os.environ):
 
 
 def _open_sockets(found, environ: Mapping[str, str], generation: int = 0, superseded=None,
-                  timeout: Optional[float] = None):
+                  timeout: Optional[float] = None, before=None):
+    """A SocketWorld met as `found` says, which the runtime holds from then on."""
     global _identity
     from . import generations
     from . import identity as identity_mod
-    from . import sockets
+    from . import socket_world
     from ..core import mpi_library
     from ..core.settings import env_value
     settings_iface = env_value("TCP_IFACE", environ) or env_value("GLOO_IFACE", environ) or ""
@@ -103,13 +106,14 @@ def _open_sockets(found, environ: Mapping[str, str], generation: int = 0, supers
     if found.size > 1 or generation:
         key = identity_mod.job_key(environ) or _key_kept.get(found)
     worker = generations.worker(environ) or ""
-    sockets.open_world(found, key, gloo_timeout(environ) if timeout is None else timeout,
-                       settings_iface, generation, superseded, worker)
-    mpi_library.use(sockets)
+    world = socket_world.open_world(found, key,
+                                    gloo_timeout(environ) if timeout is None else timeout,
+                                    settings_iface, generation, superseded, worker, before)
+    mpi_library.use(world)
     _identity = found
     if key is not None and not worker:
         _forget_key(found, key, environ)
-    return sockets
+    return world
 
 
 def _forget_key(found, key: bytes, environ: Mapping[str, str]) -> None:
@@ -124,7 +128,10 @@ def _forget_key(found, key: bytes, environ: Mapping[str, str]) -> None:
 def reopen(found, generation: int, superseded=None, environ: Mapping[str, str] = os.environ):
     """Between two generations of an elastic job without MPI (after shutdown()): close
     this world's connections and meet the ranks of generation `generation` as `found`
-    says. The rendezvous this process serves, if any, stays."""
-    from . import sockets
-    sockets.close_world(keep_server=True)
-    return _open_sockets(found, environ, generation, superseded)
+    says. The rendezvous this process serves, if any, stays. Called again after a
+    generation that did not form: the world before (still the one the runtime holds)
+    hands the next what it kept."""
+    from ..core import mpi_library
+    before = mpi_library.chosen()
+    before.close(keep_server=True)
+    return _open_sockets(found, environ, generation, superseded, before=before)

@@ -25,16 +25,17 @@ KEY = os.urandom(32)
 # One rank: open_world with an identity written out, then each connection's settings.
 RANK = """
 import json, socket, sys
-from horolite.world import sockets
+from horolite.world import socket_world
 from horolite.world.identity import Identity
 rank, port, key = int(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
-world = sockets.open_world(Identity(rank, 2, rank, 2, "127.0.0.1", port, "test", False, None),
-                           key, 20.0)
+held = socket_world.open_world(
+    Identity(rank, 2, rank, 2, "127.0.0.1", port, "test", False, None), key, 20.0)
+world = held.COMM_WORLD
 socks = world.mesh._socks.values()
 print(json.dumps([[s.gettimeout(), s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)]
                   for s in socks]))
 world.Barrier()
-sockets.close_world()
+held.close()
 """
 
 
