@@ -261,7 +261,8 @@ def run_chaos(faults: int, seed: int, kinds, every, stall: float, np_: int, min_
                 proc.kill()
                 proc.wait()
         reader.join(10)
-        result["stderr_tail"] = "".join(err_lines)[-6000:]
+        result["stderr"] = "".join(err_lines)
+        result["stderr_tail"] = result["stderr"][-6000:]
         for path in glob.glob(os.path.join(outdir, "*")):
             os.unlink(path)
         os.rmdir(outdir)
@@ -339,6 +340,7 @@ def main(argv=None) -> int:
     p.add_argument("--sleep", type=float, default=0.02, help="seconds per step")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", metavar="FILE", help="also write the result here")
+    p.add_argument("--log", metavar="FILE", help="write horolite-run's log here")
     p.add_argument("--rank-side", metavar="OUTDIR", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank_side:
@@ -358,7 +360,10 @@ def main(argv=None) -> int:
         result = run_chaos(args.faults, args.seed, kinds, tuple(args.every), args.stall,
                            args.np, args.min_np, args.commit_every, args.sleep, args.timeout,
                            bed=bed, cut=args.cut_seconds)
-    tail = result.pop("stderr_tail")
+    tail, err = result.pop("stderr_tail"), result.pop("stderr")
+    if args.log:
+        with open(args.log, "w") as f:
+            f.write(err)
     print(json.dumps(result, default=dict, indent=1))
     if args.json:
         with open(args.json, "w") as f:
