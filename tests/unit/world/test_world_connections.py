@@ -39,6 +39,13 @@ held.close()
 """
 
 
+
+def _close_acceptor(acceptor) -> None:
+    """Stop accepting and close every connection it took (a test's sockets end with it)."""
+    acceptor.close()
+    for s in [s for pair in acceptor.taken().values() for s in pair if s]:
+        s.close()
+
 def test_the_connections_open_world_makes_block_without_a_timeout_and_keep_alive():
     with RendezvousServer(KEY, "127.0.0.1", 0) as server:
         procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(server.port),
@@ -131,9 +138,7 @@ def test_an_address_that_drops_packets_costs_one_attempt_not_the_deadline(monkey
         assert acceptor.wait(time.monotonic() + 5)
         sock.close()
     finally:
-        acceptor.close()
-        for s in [s for pair in acceptor.taken().values() for s in pair if s]:
-            s.close()
+        _close_acceptor(acceptor)
 
 
 def test_a_dial_that_never_reaches_names_every_address_tried():
@@ -239,6 +244,4 @@ def test_no_thread_for_a_hello_drops_that_connection_and_set_up_goes_on(monkeypa
         assert acceptor.wait(time.monotonic() + 5)
         sock.close()
     finally:
-        acceptor.close()
-        for s in [s for pair in acceptor.taken().values() for s in pair if s]:
-            s.close()
+        _close_acceptor(acceptor)
