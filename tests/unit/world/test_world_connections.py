@@ -39,12 +39,12 @@ held.close()
 """
 
 
-
 def _close_acceptor(acceptor) -> None:
     """Stop accepting and close every connection it took (a test's sockets end with it)."""
     acceptor.close()
     for s in [s for pair in acceptor.taken().values() for s in pair if s]:
         s.close()
+
 
 def test_the_connections_open_world_makes_block_without_a_timeout_and_keep_alive():
     with RendezvousServer(KEY, "127.0.0.1", 0) as server:
