@@ -45,6 +45,7 @@ def _free_port() -> int:
 class RayCluster:
     def __init__(self):
         self.port = _free_port()
+        self.client_port = _free_port()  # Ray Client's server on the head (ray://)
         self.address: Optional[str] = None
         # The workers import the test modules' functions by name, as the driver does.
         here = os.path.dirname(os.path.abspath(__file__))
@@ -70,6 +71,7 @@ class RayCluster:
         self._ray(["stop", "--force"])  # (a cluster left by an earlier run would be joined)
         common = [f"--num-cpus={NODE_CPUS}", "--disable-usage-stats"]
         self._ray(["start", "--head", f"--port={self.port}", "--include-dashboard=false",
+                   f"--ray-client-server-port={self.client_port}",
                    '--resources={"hl_node_a": 100}'] + common)
         self.address = f"127.0.0.1:{self.port}"
         self.start_node_b()
