@@ -766,7 +766,7 @@ def test_an_elastic_sync_builds_an_optimizer_that_never_stepped_and_gets_rank_0s
 
 def test_an_elastic_sync_of_different_variable_counts_names_them_on_every_rank():
     if N == 1:
-        pytest.skip("one rank agrees with itself")
+        pytest.skip("one rank cannot disagree")
     state = hvd.elastic.TensorFlowState([tf.Variable(0.0) for _ in range(1 + (R == N - 1))])
     others = "ranks 0, " + ", ".join(map(str, range(1, N - 1))) if N > 2 else "rank 0"
     with pytest.raises(ValueError, match=rf"TensorFlowState 1 on {others.rstrip(', ')} but "
