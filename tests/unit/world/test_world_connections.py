@@ -220,15 +220,8 @@ def test_leaving_a_world_gives_up_a_fence_the_peer_cannot_take():
         b.close()
 
 
-def test_no_thread_for_a_hello_drops_that_connection_and_set_up_goes_on(monkeypatch):
-    real, failed = threading.Thread.start, []
-
-    def start(self):
-        if self.name.startswith("horolite-tcp-hello") and not failed:
-            failed.append(self.name)
-            raise RuntimeError("can't start new thread")
-        return real(self)
-    monkeypatch.setattr(threading.Thread, "start", start)
+def test_no_thread_for_a_hello_drops_that_connection_and_set_up_goes_on(thread_limit_once):
+    thread_limit_once(lambda name: name.startswith("horolite-tcp-hello"))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(4)

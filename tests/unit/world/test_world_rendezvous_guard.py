@@ -62,15 +62,8 @@ def test_strangers_beyond_the_cap_cut_off_the_oldest_and_a_client_still_gets_in(
                 s.close()
 
 
-def test_no_thread_for_a_connection_drops_it_and_the_server_goes_on(monkeypatch):
-    real, failed = threading.Thread.start, []
-
-    def start(self):
-        if self.name.endswith("-conn") and not failed:
-            failed.append(self.name)
-            raise RuntimeError("can't start new thread")
-        return real(self)
-    monkeypatch.setattr(threading.Thread, "start", start)
+def test_no_thread_for_a_connection_drops_it_and_the_server_goes_on(thread_limit_once):
+    thread_limit_once(lambda name: name.endswith("-conn"))
     with RendezvousServer(KEY, HOST) as server:
         first = socket.create_connection((HOST, server.port))
         assert wait_for(lambda: server.dropped == 1)
